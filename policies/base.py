@@ -1,0 +1,86 @@
+"""The interface every KV-cache policy implements, and its parameter validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Callable, ClassVar
+
+
+class PolicyConfigError(ValueError):
+    """A policy name or parameter is invalid. ``field`` names the offending key."""
+
+    def __init__(self, field: str, message: str, choices: list[str] | None = None):
+        self.field = field
+        self.choices = choices
+        self.detail = message + (f" (valid: {', '.join(choices)})" if choices else "")
+        super().__init__(f"{field}: {self.detail}")
+
+
+# forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs) -> attention output
+DecodeFn = Callable[..., Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class KVPolicy:
+    """A decode-time KV policy: a small frozen dataclass of validated parameters.
+
+    Subclasses set ``name`` and declare their parameters as dataclass fields with defaults, and
+    check ranges in ``validate``. The attention backend asks ``decode_fns`` once, at start-up,
+    for one decode function per layer, so the per-layer cost of dispatch is a list lookup.
+    """
+
+    name: ClassVar[str]
+
+    def __post_init__(self):
+        self._check_types()
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise PolicyConfigError(field, ...) for an out-of-range parameter."""
+
+    def decode_fns(self, num_layers: int, base_decode: DecodeFn) -> list[DecodeFn]:
+        """One decode function per layer; ``base_decode`` is the engine's own full attention."""
+        return [base_decode] * num_layers
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, **dataclasses.asdict(self)}
+
+    @classmethod
+    def parameter_schema(cls) -> dict[str, Any]:
+        hints = typing.get_type_hints(cls)
+        return {
+            f.name: {"type": _type_name(hints[f.name]), "default": f.default}
+            for f in dataclasses.fields(cls)
+        }
+
+    def _check_types(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            expected = hints[f.name]
+            if not _is_instance(value, expected):
+                raise PolicyConfigError(
+                    f"{self.name}.{f.name}",
+                    f"expected {_type_name(expected)}, got {type(value).__name__} {value!r}",
+                )
+
+
+def _is_instance(value: Any, expected: Any) -> bool:
+    origin = typing.get_origin(expected)
+    if origin in (list, tuple):
+        (item_type, *_) = typing.get_args(expected) or (object,)
+        return isinstance(value, (list, tuple)) and all(_is_instance(v, item_type) for v in value)
+    if expected is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, expected)
+
+
+def _type_name(expected: Any) -> str:
+    origin = typing.get_origin(expected)
+    if origin in (list, tuple):
+        (item_type, *_) = typing.get_args(expected) or (object,)
+        return f"list[{_type_name(item_type)}]"
+    return getattr(expected, "__name__", str(expected))

@@ -1,0 +1,1 @@
+"""The extension's REST surface and metrics beside SGLang's server."""

@@ -1,0 +1,1 @@
+"""Host platforms the engine runs on (only the CPU needs help)."""
