@@ -1,0 +1,107 @@
+"""Decode-step latency and throughput against context length and batch size, per policy and for
+vanilla SGLang in the same run, from SGLang's offline one-batch benchmark (dummy weights).
+
+    python -m benchmarks.decode_step --shape qwen1.5b --policies vanilla,full \
+        --batch 1,16,64 --context 4096,16384 --output-len 32
+
+Each policy runs in its own process (benchmarks.decode_step_child). A point whose KV does not fit
+in the engine's pool is recorded as skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks import harness, plot
+from benchmarks.harness import Row, RunInfo
+
+BENCH = "decode_step"
+METRICS = ("decode_step_latency_s", "decode_throughput_tok_s")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{BENCH}", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", required=True, help="model shape: a folder of benchmarks/configs")
+    parser.add_argument("--policies", type=harness.name_list, default=[harness.VANILLA, "full"])
+    parser.add_argument("--policy-config", default=None, help="JSON given to every non-vanilla policy")
+    parser.add_argument("--batch", type=harness.int_list, default=[1, 16, 64])
+    parser.add_argument("--context", type=harness.int_list, default=[4096, 16384])
+    parser.add_argument("--output-len", type=int, default=32, help="decode steps per point (median taken)")
+    parser.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size (default: SGLang's)")
+    parser.add_argument("--prefill-slice-tokens", type=int, default=16384, help="tokens per prefill forward")
+    parser.add_argument("--out-dir", type=Path, default=harness.DEFAULT_OUT_DIR)
+    parser.add_argument("--results-md", type=Path, default=harness.DEFAULT_RESULTS_MD)
+    parser.add_argument("--log-dir", type=Path, default=None, help="engine logs (default: --out-dir)")
+    return parser
+
+
+def run_policy(args: argparse.Namespace, policy: str, log_path: Path) -> dict:
+    """The child's result for one policy: {kv_capacity_tokens, attention_backend, runs}."""
+    one_batch_flags = [
+        "--model-path", str(harness.shape_path(args.shape)),
+        "--load-format", "dummy",
+        *harness.engine_flags(args.max_total_tokens),
+        "--batch-size", *map(str, args.batch),
+        "--input-len", *map(str, args.context),
+        "--output-len", str(args.output_len),
+    ]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        result_json = Path(tmp) / "result.json"
+        argv = [
+            sys.executable, "-m", "benchmarks.decode_step_child",
+            "--policy", policy,
+            "--result-json", str(result_json),
+            "--prefill-slice-tokens", str(args.prefill_slice_tokens),
+        ]  # fmt: skip
+        if policy != harness.VANILLA and args.policy_config:
+            argv += ["--policy-config", args.policy_config]
+        with open(log_path, "wb") as log:
+            code = subprocess.call([*argv, "--", *one_batch_flags], env=harness.engine_env(policy), stdout=log, stderr=subprocess.STDOUT)
+        if code != 0:
+            raise RuntimeError(f"{policy}: exited with {code}; log {log_path}:\n{harness.log_tail(log_path)}")
+        return json.loads(result_json.read_text())
+
+
+def policy_rows(args: argparse.Namespace, info: RunInfo, policy: str, result: dict) -> list[Row]:
+    measured = {(r["batch_size"], r["input_len"]): r["median_decode_latency"] for r in result["runs"]}
+    rows = []
+    for batch in args.batch:
+        for context in args.context:
+            point = dict(bench=BENCH, policy=policy, model_shape=args.shape, batch=batch, context=context)
+            latency = measured.get((batch, context))
+            if latency is None:
+                need = batch * (context + args.output_len)
+                reason = f"KV needs {need} tokens, pool holds {result['kv_capacity_tokens']}"
+                rows += [info.row(**point, metric=m, value=None, skipped=reason) for m in METRICS]
+            else:
+                rows.append(info.row(**point, metric="decode_step_latency_s", value=latency))
+                rows.append(info.row(**point, metric="decode_throughput_tok_s", value=batch / latency))
+    return rows
+
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    harness.shape_path(args.shape)
+    info = RunInfo.detect()
+    log_dir = args.log_dir or args.out_dir
+    log_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[Row] = []
+    for policy in args.policies:
+        log_path = log_dir / f"{BENCH}-{args.shape}-{policy}.log"
+        print(f"{BENCH}: {policy} on {args.shape} ({info.device}), log {log_path}", flush=True)
+        result = run_policy(args, policy, log_path)
+        print(f"{BENCH}: {policy} decoded with {result['attention_backend']}", flush=True)
+        rows += policy_rows(args, info, policy, result)
+    harness.add_baseline_ratios(rows)
+    json_path = harness.save_results(BENCH, args.shape, rows, info, args.out_dir, args.results_md)
+    print(f"plot: {plot.plot_decode_step(rows, json_path.with_suffix('.png'))}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""One policy's run of SGLang's offline one-batch benchmark, in a fresh process so that no plugin
+state leaks between policies. Started by benchmarks.decode_step:
+
+    python -m benchmarks.decode_step_child --policy NAME [--policy-config JSON] --result-json PATH
+        [--prefill-slice-tokens N] -- <sglang.benchmark.one_batch flags>
+
+``--policy vanilla`` leaves SGLang untouched. The result JSON holds one_batch's measurements, the
+KV pool's capacity in tokens (to explain skipped points) and the attention backend that decoded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from sglang_ext.platform import cpu
+
+VANILLA = "vanilla"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_step_child")
+    parser.add_argument("--policy", required=True)
+    parser.add_argument("--policy-config", default=None)
+    parser.add_argument("--result-json", type=Path, required=True)
+    parser.add_argument("--prefill-slice-tokens", type=int, default=16384)
+    parser.add_argument("one_batch_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    one_batch_args = args.one_batch_args[1:] if args.one_batch_args[:1] == ["--"] else args.one_batch_args
+
+    cpu.activate()
+    if args.policy != VANILLA:
+        _load_policy_plugin(args.policy, args.policy_config)
+
+    import sglang.benchmark.one_batch as one_batch
+
+    engine = _patch_one_batch(one_batch, args.prefill_slice_tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        jsonl = Path(tmp) / "one_batch.jsonl"
+        sys.argv = ["one_batch", *one_batch_args, "--result-filename", str(jsonl)]
+        one_batch.cli_main()
+        runs = [json.loads(line) for line in jsonl.read_text().splitlines()] if jsonl.exists() else []
+
+    is_policy_backend = engine["attention_backend"].startswith("Policy")
+    if is_policy_backend != (args.policy != VANILLA):
+        raise SystemExit(f"policy {args.policy!r} decoded with {engine['attention_backend']}")
+    args.result_json.write_text(json.dumps({**engine, "runs": runs}))
+
+
+def _load_policy_plugin(name: str, config: str | None) -> None:
+    from sglang.srt.plugins import load_plugins
+
+    from sglang_ext import plugin
+    from sglang_ext.config import export_policy, policy_from_flags
+
+    export_policy(policy_from_flags(name, config))
+    load_plugins()
+    # Where sglang_ext is on PYTHONPATH but not installed, load_plugins() finds no entry point.
+    plugin.register()
+
+
+def _patch_one_batch(one_batch, slice_tokens: int) -> dict:
+    """Adapt one_batch to dummy-weight shapes and long contexts; returns a dict that fills with
+    the engine's KV capacity and attention backend once the model is loaded."""
+    import torch
+
+    engine: dict = {}
+    load_model = one_batch.load_model
+
+    def load_model_and_record(*args, **kwargs):
+        runner, tokenizer = load_model(*args, **kwargs)
+        engine["kv_capacity_tokens"] = runner.torch_runner.max_total_num_tokens
+        engine["attention_backend"] = type(runner.torch_runner.attn_backend).__name__
+        return runner, tokenizer
+
+    def extend_in_slices(self, reqs):
+        """one_batch prefills the whole batch in one forward pass, whose MLP activations at
+        64 x 16k tokens outgrow an 80 GB GPU. Prefill whole requests in slices of at most
+        ``slice_tokens`` tokens and merge them into one decode batch, as SGLang's scheduler
+        merges prefilled requests into its running batch."""
+        next_ids, batch, start = [], None, 0
+        while start < len(reqs):
+            end, tokens = start, 0
+            while end < len(reqs) and (end == start or tokens + len(reqs[end].origin_input_ids) <= slice_tokens):
+                tokens += len(reqs[end].origin_input_ids)
+                end += 1
+            ids, _, part = one_batch.extend(reqs[start:end], self.torch_runner)
+            next_ids.append(ids)
+            if batch is None:
+                batch = part
+            else:
+                batch.merge_batch(part)
+            start = end
+        return torch.cat(next_ids), None, batch
+
+    one_batch.load_model = load_model_and_record
+    one_batch._TorchBenchRunner.extend = extend_in_slices
+    # Synthetic input ids need no tokenizer, and the shape folders ship none.
+    one_batch.get_tokenizer = lambda *args, **kwargs: None
+    return engine
+
+
+if __name__ == "__main__":
+    main()

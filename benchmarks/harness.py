@@ -1,0 +1,297 @@
+"""What every benchmark shares: the row schema, where and with what a run happened, the engine
+flags and environments of this host, an SGLang server in a subprocess, and saving results (JSON
+rows, a section of RESULTS.md, PNG plots via benchmarks.plot)."""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import datetime as dt
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+import requests
+
+from sglang_ext.config import POLICY_ENV
+from sglang_ext.platform import cpu
+
+BENCH_DIR = Path(__file__).resolve().parent
+CONFIGS_DIR = BENCH_DIR / "configs"
+DEFAULT_OUT_DIR = BENCH_DIR / "results"
+DEFAULT_RESULTS_MD = BENCH_DIR / "RESULTS.md"
+VANILLA = "vanilla"
+# Same cap as sglang_ext.launch on CPU: uncapped, SGLang sizes the pool from host memory.
+CPU_MAX_TOTAL_TOKENS = 65536
+PLUGIN_GROUP = "sglang.srt.plugins"
+PLUGIN_ENTRY = "sglang_ext = sglang_ext.plugin:register"
+
+
+@dataclasses.dataclass
+class Row:
+    bench: str
+    policy: str
+    model_shape: str
+    batch: int
+    context: int
+    metric: str
+    value: float | None
+    baseline_value: float | None = None
+    ratio: float | None = None
+    device: str = ""
+    sglang_version: str = ""
+    date: str = ""
+    skipped: str | None = None  # why there is no value
+
+
+@dataclasses.dataclass
+class RunInfo:
+    device: str
+    sglang_version: str
+    torch_version: str
+    date: str
+    command: str
+
+    @classmethod
+    def detect(cls) -> "RunInfo":
+        import torch
+
+        now = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
+        return cls(
+            device=device_name(),
+            sglang_version=_version("sglang"),
+            torch_version=torch.__version__,
+            date=now.isoformat().replace("+00:00", "Z"),
+            command=shlex.join(["python", "-m", _main_module(), *sys.argv[1:]]),
+        )
+
+    @property
+    def device_slug(self) -> str:
+        return re.sub(r"[^a-z0-9]+", "-", self.device.lower()).strip("-")
+
+    def row(self, **fields) -> Row:
+        return Row(device=self.device, sglang_version=self.sglang_version, date=self.date, **fields)
+
+
+def _main_module() -> str:
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    return spec.name if spec else sys.argv[0]
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def device_name() -> str:
+    if cpu.is_cuda_host():
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
+    return f"CPU {model.group(1).strip() if model else 'unknown'} ({os.cpu_count()} cores)"
+
+
+def shape_path(shape: str) -> Path:
+    path = CONFIGS_DIR / shape
+    if not (path / "config.json").is_file():
+        known = ", ".join(sorted(p.name for p in CONFIGS_DIR.iterdir() if p.is_dir()))
+        raise SystemExit(f"unknown --shape {shape!r} (known: {known})")
+    return path
+
+
+def shape_config(shape: str) -> dict:
+    return json.loads((shape_path(shape) / "config.json").read_text())
+
+
+def int_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
+
+
+def name_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def engine_flags(max_total_tokens: int | None) -> list[str]:
+    """SGLang flags for this host, shared by vanilla and policy runs so both see the same engine.
+
+    On CUDA, prefill CUDA-graph capture is off: it takes most of the start-up time and neither
+    benchmark times prefill. Decode CUDA graphs stay on.
+    """
+    if cpu.is_cuda_host():
+        flags = ["--attention-backend", "triton", "--disable-prefill-cuda-graph"]
+    else:
+        flags = cpu.as_argv(cpu.server_flags())
+        max_total_tokens = max_total_tokens or CPU_MAX_TOTAL_TOKENS
+    if max_total_tokens:
+        flags += ["--max-total-tokens", str(max_total_tokens)]
+    return flags
+
+
+def engine_env(policy: str) -> dict[str, str]:
+    """The environment of an engine process: this host's runtime, and no inherited policy."""
+    env = cpu.runtime_env()
+    env.pop(POLICY_ENV, None)
+    env["PYTHONUNBUFFERED"] = "1"
+    if policy != VANILLA:
+        _make_plugin_discoverable(env)
+    return env
+
+
+def _make_plugin_discoverable(env: dict[str, str]) -> None:
+    """SGLang loads plugins in each engine process (the spawned scheduler too) from installed entry
+    points only. Where sglang_ext is merely on PYTHONPATH, a policy server would silently serve
+    vanilla; a minimal dist-info declaring the entry point, put on the path, prevents that."""
+    if any(ep.value == PLUGIN_ENTRY.split(" = ")[1] for ep in metadata.entry_points(group=PLUGIN_GROUP)):
+        return
+    folder = Path(tempfile.mkdtemp(prefix="sglang_ext-entry-point-"))
+    atexit.register(shutil.rmtree, folder, True)
+    info = folder / "sglang_ext-0.0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang-ext\nVersion: 0.0.0\n")
+    (info / "entry_points.txt").write_text(f"[{PLUGIN_GROUP}]\n{PLUGIN_ENTRY}\n")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(folder), env.get("PYTHONPATH", "")] if p)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def log_tail(path: Path, chars: int = 3000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+
+class SglangServer:
+    """An SGLang HTTP server in its own process group, logging to a file; stopping it ends the
+    whole group (scheduler and detokenizer processes included)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], port: int, log_path: Path):
+        self.argv, self.env, self.port, self.log_path = argv, env, port, log_path
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "SglangServer":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def wait_ready(self, timeout_s: float = 900) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{log_tail(self.log_path)}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"server not ready after {timeout_s}s:\n{log_tail(self.log_path)}")
+
+    def log_contains(self, text: str) -> bool:
+        return text in self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def add_baseline_ratios(rows: list[Row]) -> None:
+    """Fill baseline_value (vanilla's value at the same point of the same run) and ratio."""
+    key = lambda r: (r.bench, r.model_shape, r.batch, r.context, r.metric)  # noqa: E731
+    baselines = {key(r): r.value for r in rows if r.policy == VANILLA and r.value is not None}
+    for row in rows:
+        row.baseline_value = baselines.get(key(row))
+        if row.value is not None and row.baseline_value:
+            row.ratio = row.value / row.baseline_value
+
+
+def _fmt(value: float | int | None) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def markdown_table(rows: list[Row]) -> str:
+    lines = [
+        "| policy | batch | context | metric | value | vanilla | ratio |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        value = f"skipped: {r.skipped}" if r.skipped else _fmt(r.value)
+        lines.append(
+            f"| {r.policy} | {r.batch} | {r.context} | {r.metric} | {value} "
+            f"| {_fmt(r.baseline_value)} | {_fmt(r.ratio)} |"
+        )
+    return "\n".join(lines)
+
+
+def _unused_path(path: Path) -> Path:
+    """``path``, or ``stem-2``, ``stem-3``... when a run of the same day already wrote it."""
+    candidate, n = path, 2
+    while candidate.exists():
+        candidate, n = path.with_name(f"{path.stem}-{n}{path.suffix}"), n + 1
+    return candidate
+
+
+def result_stem(bench: str, shape: str, info: RunInfo) -> str:
+    return f"{bench}-{shape}-{info.device_slug}-{info.date[:10]}"
+
+
+def save_results(
+    bench: str, shape: str, rows: list[Row], info: RunInfo, out_dir: Path, results_md: Path
+) -> Path:
+    """Write the rows as JSON, append a RESULTS.md section, print the table; returns the JSON path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = _unused_path(out_dir / f"{result_stem(bench, shape, info)}.json")
+    json_path.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1) + "\n")
+    table = markdown_table(rows)
+    section = "\n".join(
+        [
+            f"## {bench} · {shape} · {info.device} · {info.date}",
+            "",
+            f"- command: `{info.command}`",
+            f"- device: {info.device}; sglang {info.sglang_version}; torch {info.torch_version}",
+            f"- rows: `{json_path.name}`",
+            "",
+            table,
+            "",
+        ]
+    )
+    if not results_md.exists():
+        results_md.parent.mkdir(parents=True, exist_ok=True)
+        results_md.write_text(
+            "# Benchmark results\n\nSections appended by the scripts in benchmarks/; each policy is "
+            "compared with vanilla SGLang measured in the same run.\n\n"
+        )
+    with open(results_md, "a") as md:
+        md.write(section + "\n")
+    print(f"\n{table}\n\nrows: {json_path}\nsection appended to: {results_md}", flush=True)
+    return json_path

@@ -1,0 +1,66 @@
+"""PNG plots of benchmark rows (matplotlib's Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from benchmarks.harness import Row  # noqa: E402
+
+
+def _policies(rows: list[Row]) -> list[str]:
+    return list(dict.fromkeys(r.policy for r in rows))
+
+
+def _title(rows: list[Row], what: str) -> str:
+    return f"{what} · {rows[0].model_shape} · {rows[0].device}"
+
+
+def plot_decode_step(rows: list[Row], path: Path) -> Path | None:
+    """Decode-step latency against context, one panel per batch size, one line per policy."""
+    measured = [r for r in rows if r.metric == "decode_step_latency_s" and r.value is not None]
+    if not measured:
+        return None
+    batches = sorted({r.batch for r in measured})
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 3.8), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for policy in _policies(measured):
+            points = sorted((r.context, r.value * 1e3) for r in measured if r.batch == batch and r.policy == policy)
+            if points:
+                ax.plot(*zip(*points), marker="o", label=policy)
+        ax.set_xscale("log", base=2)
+        ax.set(title=f"batch {batch}", xlabel="context (tokens)", ylabel="decode step (ms)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(_title(rows, "decode-step latency"))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_e2e(rows: list[Row], kv_timelines: dict[str, list[tuple[float, int]]], path: Path) -> Path | None:
+    """KV tokens in use over each policy's run, and output throughput per policy."""
+    throughput = {r.policy: r.value for r in rows if r.metric == "e2e_output_tok_s" and r.value is not None}
+    if not throughput:
+        return None
+    fig, (kv_ax, tput_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for policy, samples in kv_timelines.items():
+        if samples:
+            kv_ax.plot(*zip(*samples), label=policy)
+    kv_ax.set(title="KV tokens in use", xlabel="time since first request (s)", ylabel="tokens")
+    kv_ax.grid(alpha=0.3)
+    kv_ax.legend()
+    tput_ax.bar(list(throughput), list(throughput.values()))
+    tput_ax.set(title="output throughput", ylabel="tokens/s")
+    tput_ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(_title(rows, "end-to-end generation"))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,68 @@
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from sglang_ext import config
+from sglang_ext.policies import PolicyConfigError
+
+
+def test_policy_config_accepts_inline_json_and_files(tmp_path):
+    assert config.parse_policy_config(None) == {}
+    assert config.parse_policy_config('{"a": 1}') == {"a": 1}
+    path = tmp_path / "p.json"
+    path.write_text('{"b": [1, 2]}')
+    assert config.parse_policy_config(f"@{path}") == {"b": [1, 2]}
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [("{bad", "invalid JSON"), ("[1]", "expected a JSON object"), ("@/no/such.json", "cannot read")],
+)
+def test_bad_policy_config_names_the_flag(text, fragment):
+    with pytest.raises(PolicyConfigError) as err:
+        config.parse_policy_config(text)
+    assert err.value.field == "--policy-config"
+    assert fragment in str(err.value)
+
+
+def test_exported_policy_is_what_engine_processes_build(monkeypatch):
+    monkeypatch.delenv(config.POLICY_ENV, raising=False)
+    config.active_policy.cache_clear()
+    assert config.active_policy() is None
+    config.export_policy(config.policy_from_flags("full", "{}"))
+    assert json.loads(config.os.environ[config.POLICY_ENV]) == {"name": "full", "params": {}}
+    assert config.active_policy().name == "full"
+    monkeypatch.delenv(config.POLICY_ENV)
+    config.active_policy.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--policy", "nope"], ["argument --policy:", "unknown policy 'nope'", "valid: full"]),
+        (["--policy-config", "{bad"], ["argument --policy-config:", "invalid JSON"]),
+        (
+            ["--policy", "full", "--policy-config", '{"budget": 3}'],
+            ["argument --policy-config:", "field full.budget", "takes no parameters"],
+        ),
+        (
+            ["--attention-backend", "flashinfer"],
+            ["argument --attention-backend:", "valid: triton, torch_native"],
+        ),
+    ],
+)
+def test_launcher_fails_fast_on_bad_flags(args, fragments, tmp_path):
+    start = time.monotonic()
+    env = dict(config.os.environ, SGLANG_EXT_MODEL_CACHE=str(tmp_path))  # must not convert a model
+    done = subprocess.run(
+        [sys.executable, "-m", "sglang_ext.launch", "--model-path", "unused", *args],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    for fragment in fragments:
+        assert fragment in done.stderr
+    assert time.monotonic() - start < 60
+    assert not any(tmp_path.iterdir())

@@ -1,0 +1,85 @@
+"""The real SGLang engine on CPU with SmolLM2: vanilla SGLang and ``--policy full`` side by side."""
+
+import sys
+
+import pytest
+import requests
+
+from server import ServerProcess, free_port
+from sglang_ext.platform import cpu
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = [
+    "Once upon a time, in a small village by the sea,",
+    "The three primary colors are",
+    "def fibonacci(n):\n    ",
+    "Water boils at a temperature of",
+]
+COMMON = ["--max-total-tokens", "16384", "--log-level", "info"]
+
+
+@pytest.fixture(scope="module")
+def servers(model_path, strict_env, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("engine-logs")
+    vanilla_port, full_port = free_port(), free_port()
+    vanilla = ServerProcess(
+        [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
+         "--host", "127.0.0.1", "--port", str(vanilla_port), *cpu.as_argv(cpu.server_flags()), *COMMON],
+        strict_env, logs / "vanilla.log", vanilla_port,
+    )
+    full = ServerProcess(
+        [sys.executable, "-m", "sglang_ext.launch", "--policy", "full", "--port", str(full_port), *COMMON],
+        strict_env, logs / "full.log", full_port,
+    )
+    try:
+        for server in (vanilla.start(), full.start()):  # both boot at once
+            server.wait_ready()
+        yield {"vanilla": vanilla, "full": full}
+    finally:
+        full.stop()
+        vanilla.stop()
+
+
+def test_launcher_serves_the_embedded_model_on_localhost(servers):
+    log = servers["full"].log()
+    assert f"at http://127.0.0.1:{servers['full'].port}" in log
+    assert "SmolLM2-135M-Instruct" in log
+
+
+def test_policy_backend_decodes_and_vanilla_is_untouched(servers):
+    assert "PolicyTorchNativeAttnBackend decoding with policy {'name': 'full'}" in servers["full"].log()
+    assert "decoding with policy" not in servers["vanilla"].log()
+
+
+def test_full_policy_gives_vanilla_greedy_tokens(servers):
+    for prompt in PROMPTS:
+        ours = servers["full"].generate(prompt, max_new_tokens=48)
+        theirs = servers["vanilla"].generate(prompt, max_new_tokens=48)
+        assert ours["output_ids"] == theirs["output_ids"], prompt
+        assert len(ours["output_ids"]) > 8
+
+
+def test_full_policy_gives_vanilla_greedy_tokens_in_a_batch(servers):
+    ours = servers["full"].generate(PROMPTS, max_new_tokens=32)
+    theirs = servers["vanilla"].generate(PROMPTS, max_new_tokens=32)
+    assert [o["output_ids"] for o in ours] == [t["output_ids"] for t in theirs]
+
+
+def test_chat_completion_knows_the_capital_of_france(servers):
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "temperature": 0,
+        "max_tokens": 32,
+    }
+    response = requests.post(f"{servers['full'].url}/v1/chat/completions", json=body, timeout=300)
+    response.raise_for_status()
+    assert "Paris" in response.json()["choices"][0]["message"]["content"]
+
+
+def test_no_kv_leak_after_the_requests(servers):
+    for server in (servers["full"], servers["vanilla"]):
+        server.wait_idle()
+        assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
+        assert "leak" not in server.log().lower()

@@ -1,0 +1,58 @@
+import pytest
+
+from sglang_ext import launch
+from sglang_ext.platform import cpu
+
+
+@pytest.fixture
+def cpu_host(monkeypatch):
+    monkeypatch.setattr(cpu, "is_cuda_host", lambda: False)
+
+
+@pytest.fixture
+def cuda_host(monkeypatch):
+    monkeypatch.setattr(cpu, "is_cuda_host", lambda: True)
+
+
+def _value(argv, flag):
+    return argv[argv.index(flag) + 1]
+
+
+def test_cpu_defaults_fill_what_the_user_left_out(cpu_host):
+    argv = launch.sglang_argv(["--model-path", "m", "--port", "1234"])
+    assert _value(argv, "--host") == "127.0.0.1"
+    assert _value(argv, "--device") == "cpu"
+    assert _value(argv, "--attention-backend") == "torch_native"
+    assert _value(argv, "--sampling-backend") == "pytorch"
+    assert "--disable-cuda-graph" in argv
+    assert _value(argv, "--max-total-tokens") == str(launch.CPU_DEFAULT_MAX_TOTAL_TOKENS)
+
+
+def test_user_flags_win_in_both_spellings(cpu_host):
+    argv = launch.sglang_argv(["--model", "m", "--host=0.0.0.0", "--mem-fraction-static", "0.5"])
+    assert argv.count("--host=0.0.0.0") == 1 and "--host" not in argv
+    assert "--model-path" not in argv
+    assert "--max-total-tokens" not in argv
+
+
+def test_cuda_host_defaults_to_the_triton_backend_and_no_cpu_flags(cuda_host):
+    argv = launch.sglang_argv(["--model-path", "m"])
+    assert _value(argv, "--attention-backend") == "triton"
+    assert "--device" not in argv and "--disable-cuda-graph" not in argv
+
+
+def test_embedded_model_is_the_default(cpu_host, monkeypatch, tmp_path):
+    import sglang_ext.model as model
+
+    monkeypatch.setattr(model, "default_model_path", lambda: tmp_path)
+    assert _value(launch.sglang_argv([]), "--model-path") == str(tmp_path)
+
+
+def test_decode_backend_override_is_checked(cpu_host):
+    parser = launch.build_parser()
+    launch._check_backend(parser, ["--attention-backend", "torch_native"])
+    with pytest.raises(SystemExit) as exit_info:
+        launch._check_backend(
+            parser, ["--attention-backend", "torch_native", "--decode-attention-backend", "flex_attention"]
+        )
+    assert exit_info.value.code == 2

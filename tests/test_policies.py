@@ -1,0 +1,91 @@
+import dataclasses
+
+import pytest
+
+from sglang_ext.policies import KVPolicy, PolicyConfigError, build_policy, policy_names, registry
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetPolicy(KVPolicy):
+    name = "budget-test"
+    budget: int = 64
+    ratio: float = 0.3
+    layers: list[int] = dataclasses.field(default_factory=lambda: [2])
+
+    def validate(self):
+        if self.budget < 1:
+            raise PolicyConfigError(f"{self.name}.budget", f"must be >= 1, got {self.budget}")
+
+
+@pytest.fixture
+def with_budget_policy(monkeypatch):
+    monkeypatch.setitem(registry._POLICIES, BudgetPolicy.name, BudgetPolicy)
+
+
+def test_full_is_registered_and_takes_no_parameters():
+    assert "full" in policy_names()
+    assert build_policy("full").describe() == {"name": "full"}
+    with pytest.raises(PolicyConfigError) as err:
+        build_policy("full", {"budget": 1})
+    assert err.value.field == "full.budget"
+    assert "takes no parameters" in str(err.value)
+
+
+def test_unknown_policy_names_the_valid_choices():
+    with pytest.raises(PolicyConfigError) as err:
+        build_policy("nope")
+    assert err.value.field == "policy"
+    assert "full" in err.value.choices
+    assert "'nope'" in str(err.value)
+
+
+def test_duplicate_registration_is_refused(with_budget_policy):
+    other = dataclasses.make_dataclass("Other", [], bases=(KVPolicy,), frozen=True)
+    other.name = BudgetPolicy.name
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register_policy(other)
+
+
+def test_parameters_are_set_and_described(with_budget_policy):
+    policy = build_policy("budget-test", {"budget": 128, "ratio": 1, "layers": [2, 14]})
+    assert policy.describe() == {"name": "budget-test", "budget": 128, "ratio": 1, "layers": [2, 14]}
+    schema = BudgetPolicy.parameter_schema()
+    assert schema["budget"] == {"type": "int", "default": 64}
+    assert schema["layers"]["type"] == "list[int]"
+
+
+@pytest.mark.parametrize(
+    "params, field, fragment",
+    [
+        ({"bugdet": 1}, "budget-test.bugdet", "unknown parameter"),
+        ({"budget": "8"}, "budget-test.budget", "expected int"),
+        ({"budget": True}, "budget-test.budget", "expected int"),
+        ({"budget": 1.5}, "budget-test.budget", "expected int"),
+        ({"ratio": "x"}, "budget-test.ratio", "expected float"),
+        ({"layers": [1, "2"]}, "budget-test.layers", "expected list[int]"),
+        ({"budget": 0}, "budget-test.budget", "must be >= 1"),
+    ],
+)
+def test_bad_parameters_name_the_field(with_budget_policy, params, field, fragment):
+    with pytest.raises(PolicyConfigError) as err:
+        build_policy("budget-test", params)
+    assert err.value.field == field
+    assert fragment in str(err.value)
+
+
+def test_unknown_parameter_lists_the_valid_ones(with_budget_policy):
+    with pytest.raises(PolicyConfigError) as err:
+        build_policy("budget-test", {"bugdet": 1})
+    assert err.value.choices == ["budget", "ratio", "layers"]
+
+
+def test_policies_are_immutable():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        build_policy("full").name = "x"
+
+
+def test_default_decode_dispatch_is_the_engine_decode_for_every_layer():
+    def base(*args):
+        return args
+
+    assert build_policy("full").decode_fns(3, base) == [base, base, base]
