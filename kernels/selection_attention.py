@@ -1,0 +1,200 @@
+"""Decode attention for selection layers: the output plus the scores the next layers select by.
+
+DELTA (Δ-layers): token score s_t = max over query heads of the attention probability of token t
+(max, not mean, so one head locking onto a token is enough); page score = sum of s_t over the
+page's 16 tokens.
+
+TidalDecode (token-selection layers): token score = max over query heads of the scaled logit q·k.
+The paper ranks tokens by <q, K> since softmax keeps a head's order; its released code keeps a
+top-k per query head. Our sparse layers share one token list across heads, so heads are merged:
+max (not sum) keeps a token that any single head favours, where a sum of signed logits lets heads
+cancel out.
+
+Scores are per logical position, fp32, and -inf past the request's end (tokens >= seq_len, pages
+with no token), so a top-k over a padded row never picks padding.
+
+How: stage 1 of the split-KV kernel also stores the scaled logits [batch, q_heads, max_seq_len]
+(fp32); once stage 2 has each head's exact LSE, one fused kernel turns them into probabilities
+(exp(logit - LSE)), takes the max over heads and sums pages. Storing logits (4 B per token per
+query head) costs far less bandwidth than re-reading K (2·head_dim B per token per KV head).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .split_kv_decode import attend_positions_ref, split_kv_decode
+
+PAGE_SIZE = 16
+_BLOCK_T = 64  # tokens per scoring program; a multiple of the page size
+
+
+@triton.jit
+def _scores_kernel(
+    Logits,
+    Lse,
+    SeqLens,
+    TokenScores,
+    PageScores,
+    stride_lg_b,
+    stride_lg_h,
+    stride_ts_b,
+    stride_ps_b,
+    max_seq_len,
+    max_pages,
+    NUM_Q_HEADS: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    PAGE: tl.constexpr,
+    USE_PROBS: tl.constexpr,
+    WRITE_PAGES: tl.constexpr,
+):
+    batch = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    seq_len = tl.load(SeqLens + batch)
+    offs_t = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    valid_t = offs_t < seq_len
+    offs_h = tl.arange(0, BLOCK_HQ)
+    mask_h = offs_h < NUM_Q_HEADS
+
+    logits = tl.load(
+        Logits + batch * stride_lg_b + offs_h[:, None] * stride_lg_h + offs_t[None, :],
+        mask=mask_h[:, None] & valid_t[None, :],
+        other=float("-inf"),
+    )
+    if USE_PROBS:
+        lse = tl.load(Lse + batch * NUM_Q_HEADS + offs_h, mask=mask_h, other=0.0)
+        logits = tl.exp(logits - lse[:, None])
+    token = tl.where(valid_t, tl.max(logits, 0), float("-inf"))
+    tl.store(TokenScores + batch * stride_ts_b + offs_t, token, mask=offs_t < max_seq_len)
+
+    if WRITE_PAGES:
+        page = tl.sum(tl.reshape(tl.where(valid_t, token, 0.0), [BLOCK_T // PAGE, PAGE]), 1)
+        offs_p = block * (BLOCK_T // PAGE) + tl.arange(0, BLOCK_T // PAGE)
+        page = tl.where(offs_p * PAGE < seq_len, page, float("-inf"))
+        tl.store(PageScores + batch * stride_ps_b + offs_p, page, mask=offs_p < max_pages)
+
+
+def _attend_and_score(cache, max_seq_len, num_kv_splits, out, use_probs):
+    q, req_to_token, seq_lens = cache[0], cache[3], cache[5]
+    batch, num_q_heads, _ = q.shape
+    max_seq_len = req_to_token.shape[1] if max_seq_len is None else max_seq_len
+    logits = torch.empty(batch, num_q_heads, max_seq_len, dtype=torch.float32, device=q.device)
+    out, lse = split_kv_decode(*cache, logits=logits, num_kv_splits=num_kv_splits, out=out)
+
+    max_pages = triton.cdiv(max_seq_len, PAGE_SIZE)
+    token_scores = torch.empty(batch, max_seq_len, dtype=torch.float32, device=q.device)
+    page_scores = torch.empty(batch, max_pages, dtype=torch.float32, device=q.device)
+    _scores_kernel[(batch, triton.cdiv(max_seq_len, _BLOCK_T))](
+        logits, lse, seq_lens, token_scores, page_scores,
+        logits.stride(0), logits.stride(1), token_scores.stride(0), page_scores.stride(0),
+        max_seq_len, max_pages,
+        NUM_Q_HEADS=num_q_heads, BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_T=_BLOCK_T,
+        PAGE=PAGE_SIZE, USE_PROBS=use_probs, WRITE_PAGES=use_probs,
+    )  # fmt: skip
+    return out, token_scores, page_scores
+
+
+def delta_selection_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    max_seq_len: int | None = None,
+    num_kv_splits: int = 8,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Full decode attention of a Δ-layer.
+
+    Returns (out [batch, q_heads, dim] in q's dtype, token_scores [batch, max_seq_len] fp32,
+    page_scores [batch, ceil(max_seq_len / 16)] fp32). max_seq_len (default req_to_token.shape[1])
+    sizes the score buffers and must cover every seq_len.
+    """
+    cache = (q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale)
+    return _attend_and_score(cache, max_seq_len, num_kv_splits, out, use_probs=True)
+
+
+def tidal_selection_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    max_seq_len: int | None = None,
+    num_kv_splits: int = 8,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full decode attention of a TidalDecode token-selection layer.
+
+    Returns (out, token_scores [batch, max_seq_len] fp32 = max over query heads of sm_scale * q·k);
+    max_seq_len as for delta_selection_attention.
+    """
+    cache = (q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale)
+    out, token_scores, _ = _attend_and_score(
+        cache, max_seq_len, num_kv_splits, out, use_probs=False
+    )
+    return out, token_scores
+
+
+def _full_attention_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale):
+    """Per request: (out [q_heads, dim], logits [q_heads, seq_len]) of full attention, in fp32."""
+    rows = zip(req_pool_indices.tolist(), seq_lens.tolist())
+    return [
+        attend_positions_ref(q[b], k_buffer, v_buffer, req_to_token[row, :n].long(), sm_scale)
+        for b, (row, n) in enumerate(rows)
+    ]
+
+
+def selection_attention_ref(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch oracle of a Δ-layer: (out in q's dtype, token_scores [batch, req_to_token.shape[1]]
+    fp32 = max over query heads of the softmax probability, -inf past seq_len)."""
+    cache = (q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale)
+    out = torch.empty_like(q)
+    token_scores = torch.full((q.shape[0], req_to_token.shape[1]), float("-inf"), device=q.device)
+    for b, (out_b, logits) in enumerate(_full_attention_ref(*cache)):
+        out[b] = out_b.to(q.dtype)
+        token_scores[b, : logits.shape[1]] = torch.softmax(logits, dim=-1).amax(dim=0)
+    return out, token_scores
+
+
+def tidal_token_scores_ref(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Torch oracle of TidalDecode's token scores: [batch, req_to_token.shape[1]] fp32, max over
+    query heads of sm_scale * q·k, -inf past seq_len."""
+    cache = (q, k_buffer, k_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale)
+    token_scores = torch.full((q.shape[0], req_to_token.shape[1]), float("-inf"), device=q.device)
+    for b, (_, logits) in enumerate(_full_attention_ref(*cache)):
+        token_scores[b, : logits.shape[1]] = logits.amax(dim=0)
+    return token_scores
+
+
+def page_scores_ref(token_scores: torch.Tensor, page_size: int = PAGE_SIZE) -> torch.Tensor:
+    """Torch oracle of page scores: [batch, T] -> [batch, ceil(T / page_size)], each the sum of the
+    page's finite token scores, -inf for a page with none."""
+    batch, num_tokens = token_scores.shape
+    num_pages = -(-num_tokens // page_size)
+    padded = torch.full((batch, num_pages * page_size), float("-inf"), device=token_scores.device)
+    padded[:, :num_tokens] = token_scores
+    pages = padded.view(batch, num_pages, page_size)
+    finite = torch.isfinite(pages)
+    sums = torch.where(finite, pages, 0.0).sum(dim=-1)
+    return torch.where(finite.any(dim=-1), sums, float("-inf"))

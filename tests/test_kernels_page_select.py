@@ -1,0 +1,94 @@
+"""Page (DELTA) and token (TidalDecode) selection against a plain-Python statement of the rule."""
+
+import pytest
+import torch
+from sglang_ext.kernels.page_select import select_pages, select_tokens
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def expected_pages(scores, seq_len, budget, num_recent, page_size):
+    """All pages if they fit, else the last num_recent plus the best others (ties: lower index)."""
+    num_pages = -(-seq_len // page_size)
+    if num_pages <= budget:
+        return list(range(num_pages))
+    older = sorted(range(num_pages - num_recent), key=lambda p: (-scores[p], p))
+    return sorted(older[: budget - num_recent] + list(range(num_pages - num_recent, num_pages)))
+
+
+def check(scores, seq_lens, budget, num_recent, page_size=16):
+    scores = torch.tensor(scores, dtype=torch.float32, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    selected, count = select_pages(scores, lens, budget, num_recent, page_size)
+    assert (
+        selected.shape == (len(seq_lens), budget) and selected.dtype == count.dtype == torch.int32
+    )
+    for row, n, seq_len, row_scores in zip(
+        selected.tolist(), count.tolist(), seq_lens, scores.tolist()
+    ):
+        assert row[:n] == expected_pages(row_scores, seq_len, budget, num_recent, page_size)
+        assert row[n:] == [0] * (budget - n)
+    return selected, count
+
+
+def test_mixed_batch_with_many_ties_matches_rule():
+    gen = torch.Generator().manual_seed(0)
+    seq_lens = [1, 5, 16, 17, 37, 70, 96, 300, 513]  # short and long requests side by side
+    for _ in range(20):
+        scores = torch.randint(
+            0, 4, (len(seq_lens), 40), generator=gen
+        ).float()  # few values: many ties
+        check(scores.tolist(), seq_lens, budget=6, num_recent=2)
+
+
+def test_ties_go_to_the_lower_page():
+    selected, count = check([[1.0] * 10], [160], budget=4, num_recent=1)
+    assert selected.tolist() == [[0, 1, 2, 9]] and count.tolist() == [4]
+
+
+def test_requests_within_budget_keep_every_page():
+    _selected, count = check([[5.0, 1.0, 3.0, 0.0]] * 3, [1, 33, 64], budget=4, num_recent=2)
+    assert count.tolist() == [1, 3, 4]
+
+
+def test_partial_last_page_counts_as_recent():
+    # 33 tokens: pages 0 and 1 full, page 2 holds one token and is kept as the recency window.
+    selected, _ = check([[1.0, 2.0, 0.0, 9.0]], [33], budget=2, num_recent=1)
+    assert selected.tolist() == [[1, 2]]
+
+
+def test_scores_past_the_last_page_are_ignored():
+    big = float("inf")
+    selected, count = check([[0.0, 1.0, 0.5, big, big, big]], [48], budget=2, num_recent=1)
+    assert selected.tolist() == [[1, 2]] and count.tolist() == [2]
+
+
+def test_score_rows_narrower_than_the_budget_are_padded():
+    selected, count = check([[1.0, 2.0]], [20], budget=5, num_recent=1)
+    assert selected.tolist() == [[0, 1, 0, 0, 0]] and count.tolist() == [2]
+
+
+@pytest.mark.parametrize("num_recent", [0, 3])
+def test_budget_of_recent_pages_only_or_none(num_recent):
+    check([[3.0, 1.0, 2.0, 0.0, 5.0, 4.0]], [96], budget=3, num_recent=num_recent)
+
+
+def test_tokens_keep_the_current_one_and_the_top_scored():
+    scores = torch.tensor([[0.0, 9.0, 1.0, 8.0, 2.0, 0.5, 7.0, 0.0]], device=DEVICE)
+    selected, count = select_tokens(scores, torch.tensor([7], device=DEVICE), budget=3)
+    assert selected.tolist() == [[1, 3, 6]] and count.tolist() == [3]  # token 6 is the current one
+    selected, count = select_tokens(scores, torch.tensor([6], device=DEVICE), budget=3)
+    assert selected.tolist() == [[1, 3, 5]] and count.tolist() == [3]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="host syncs only show on a GPU")
+def test_selection_never_syncs_with_the_host():
+    scores = torch.rand(4, 64, device=DEVICE)
+    seq_lens = torch.tensor([5, 100, 700, 1000], dtype=torch.int32, device=DEVICE)
+    select_pages(scores, seq_lens, budget=8, num_recent=2)  # warm up
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        select_pages(scores, seq_lens, budget=8, num_recent=2)
+        select_tokens(scores, seq_lens, budget=8)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

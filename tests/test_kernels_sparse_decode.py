@@ -1,0 +1,146 @@
+"""Sparse decode attention over selected pages (DELTA) or tokens (TidalDecode) vs its torch oracle.
+
+Without CUDA the kernels run under Triton's interpreter on CPU tensors (set before triton loads).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+from sglang_ext.kernels.page_select import select_pages, select_tokens
+from sglang_ext.kernels.selection_attention import (
+    delta_selection_attention,
+    selection_attention_ref,
+    tidal_selection_attention,
+)
+from sglang_ext.kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_ref
+
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+OUT_TOL = {
+    torch.float16: {"atol": 5e-3, "rtol": 1e-2},
+    torch.bfloat16: {"atol": 3e-2, "rtol": 2e-2},
+}
+SEQ_LENS = (5, 37, 70)
+
+
+def make_batch(dtype, seq_lens=SEQ_LENS, num_kv_heads=2, group=3, head_dim=64, max_context=96):
+    """A decode batch in SGLang's layout: shuffled request pool rows, scattered token slots."""
+    gen = torch.Generator().manual_seed(0)
+    num_rows = len(seq_lens) + 1
+    num_slots = num_rows * max_context + 7
+    k_buffer = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_buffer = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    slots = torch.randperm(num_slots, generator=gen)[: num_rows * max_context]
+    req_to_token = slots.view(num_rows, max_context)
+    batch = {
+        "q": q,
+        "k_buffer": k_buffer,
+        "v_buffer": v_buffer,
+        "req_to_token": req_to_token.int(),
+        "req_pool_indices": torch.randperm(num_rows, generator=gen)[: len(seq_lens)].int(),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+    }
+    return {name: t.to(DEVICE) for name, t in batch.items()}, head_dim**-0.5
+
+
+def selection(rows, width):
+    """Fixed-size selection buffers from per-request index lists. The entries past a request's count
+    point at page 0: a kernel reading one would attend to page 0 twice and fail the comparison."""
+    selected = torch.zeros((len(rows), width), dtype=torch.int32)
+    for b, row in enumerate(rows):
+        selected[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    counts = torch.tensor([len(row) for row in rows], dtype=torch.int32)
+    return selected.to(DEVICE), counts.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_all_pages_selected_equals_full_attention(dtype):
+    batch, sm_scale = make_batch(dtype)
+    selected, count = selection([list(range(-(-n // 16))) for n in SEQ_LENS], width=6)
+    out = sparse_decode_attention(**batch, selected=selected, num_selected=count, sm_scale=sm_scale)
+    full_ref, _ = selection_attention_ref(**batch, sm_scale=sm_scale)
+    torch.testing.assert_close(out, full_ref, **OUT_TOL[dtype])
+    full, _, _ = delta_selection_attention(**batch, sm_scale=sm_scale)
+    torch.testing.assert_close(out, full, **OUT_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_selected_pages_match_reference(dtype):
+    batch, sm_scale = make_batch(dtype)
+    # Includes each request's partial last page (pages 0, 2 and 4) and an unsorted list.
+    selected, count = selection([[0], [2, 0], [4, 1, 3]], width=4)
+    out = sparse_decode_attention(**batch, selected=selected, num_selected=count, sm_scale=sm_scale)
+    expected = sparse_decode_attention_ref(
+        **batch, selected=selected, num_selected=count, sm_scale=sm_scale
+    )
+    torch.testing.assert_close(out, expected, **OUT_TOL[dtype])
+
+
+@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(2, 3, 64), (1, 8, 128)])
+def test_selected_tokens_match_reference(num_kv_heads, group, head_dim):
+    batch, sm_scale = make_batch(
+        torch.bfloat16, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim
+    )
+    selected, count = selection([[4, 0], [36, 3, 20, 7, 8], list(range(69, 19, -1))], width=50)
+    kwargs = dict(batch, selected=selected, num_selected=count, sm_scale=sm_scale, page_size=1)
+    torch.testing.assert_close(
+        sparse_decode_attention(**kwargs),
+        sparse_decode_attention_ref(**kwargs),
+        **OUT_TOL[torch.bfloat16],
+    )
+
+
+def test_empty_selection_outputs_zeros():
+    batch, sm_scale = make_batch(torch.float16)
+    selected, count = selection([[], [1], []], width=2)
+    out = sparse_decode_attention(**batch, selected=selected, num_selected=count, sm_scale=sm_scale)
+    assert torch.isfinite(out).all() and not out[0].any() and not out[2].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_delta_and_tidal_steps_match_reference(dtype):
+    batch, sm_scale = make_batch(dtype)
+    _, _, page_scores = delta_selection_attention(**batch, sm_scale=sm_scale)
+    selected, count = select_pages(page_scores, batch["seq_lens"], budget=3, num_recent=1)
+    kwargs = dict(batch, selected=selected, num_selected=count, sm_scale=sm_scale)
+    torch.testing.assert_close(
+        sparse_decode_attention(**kwargs), sparse_decode_attention_ref(**kwargs), **OUT_TOL[dtype]
+    )
+
+    _, token_scores = tidal_selection_attention(**batch, sm_scale=sm_scale)
+    selected, count = select_tokens(token_scores, batch["seq_lens"], budget=20)
+    kwargs = dict(batch, selected=selected, num_selected=count, sm_scale=sm_scale, page_size=1)
+    torch.testing.assert_close(
+        sparse_decode_attention(**kwargs), sparse_decode_attention_ref(**kwargs), **OUT_TOL[dtype]
+    )
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_delta_step_replays_in_a_cuda_graph():
+    batch, sm_scale = make_batch(torch.float16)
+
+    def step():
+        _, _, page_scores = delta_selection_attention(**batch, sm_scale=sm_scale)
+        selected, count = select_pages(page_scores, batch["seq_lens"], budget=3, num_recent=1)
+        return sparse_decode_attention(
+            **batch, selected=selected, num_selected=count, sm_scale=sm_scale
+        )
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = step()
+
+    batch["seq_lens"].copy_(torch.tensor([9, 50, 90]))  # next step: new lengths, new queries
+    batch["q"].normal_()
+    graph.replay()
+    torch.testing.assert_close(graph_out, step(), atol=0, rtol=0)
