@@ -25,18 +25,32 @@ METRICS = ("decode_step_latency_s", "decode_throughput_tok_s")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{BENCH}", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", required=True, help="model shape: a folder of benchmarks/configs")
+    parser = argparse.ArgumentParser(
+        prog=f"python -m benchmarks.{BENCH}", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--shape", required=True, help="model shape: a folder of benchmarks/configs"
+    )
     parser.add_argument("--policies", type=harness.name_list, default=[harness.VANILLA, "full"])
-    parser.add_argument("--policy-config", default=None, help="JSON given to every non-vanilla policy")
+    parser.add_argument(
+        "--policy-config", default=None, help="JSON given to every non-vanilla policy"
+    )
     parser.add_argument("--batch", type=harness.int_list, default=[1, 16, 64])
     parser.add_argument("--context", type=harness.int_list, default=[4096, 16384])
-    parser.add_argument("--output-len", type=int, default=32, help="decode steps per point (median taken)")
-    parser.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size (default: SGLang's)")
-    parser.add_argument("--prefill-slice-tokens", type=int, default=16384, help="tokens per prefill forward")
+    parser.add_argument(
+        "--output-len", type=int, default=32, help="decode steps per point (median taken)"
+    )
+    parser.add_argument(
+        "--max-total-tokens", type=int, default=None, help="KV pool size (default: SGLang's)"
+    )
+    parser.add_argument(
+        "--prefill-slice-tokens", type=int, default=16384, help="tokens per prefill forward"
+    )
     parser.add_argument("--out-dir", type=Path, default=harness.DEFAULT_OUT_DIR)
     parser.add_argument("--results-md", type=Path, default=harness.DEFAULT_RESULTS_MD)
-    parser.add_argument("--log-dir", type=Path, default=None, help="engine logs (default: --out-dir)")
+    parser.add_argument(
+        "--log-dir", type=Path, default=None, help="engine logs (default: --out-dir)"
+    )
     return parser
 
 
@@ -61,28 +75,38 @@ def run_policy(args: argparse.Namespace, policy: str, log_path: Path) -> dict:
         if policy != harness.VANILLA and args.policy_config:
             argv += ["--policy-config", args.policy_config]
         with open(log_path, "wb") as log:
-            code = subprocess.call([*argv, "--", *one_batch_flags], env=harness.engine_env(policy), stdout=log, stderr=subprocess.STDOUT)
+            code = subprocess.call(
+                [*argv, "--", *one_batch_flags],
+                env=harness.engine_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         if code != 0:
-            raise RuntimeError(f"{policy}: exited with {code}; log {log_path}:\n{harness.log_tail(log_path)}")
+            raise RuntimeError(
+                f"{policy}: exited with {code}; log {log_path}:\n{harness.log_tail(log_path)}"
+            )
         return json.loads(result_json.read_text())
 
 
 def policy_rows(args: argparse.Namespace, info: RunInfo, policy: str, result: dict) -> list[Row]:
-    measured = {(r["batch_size"], r["input_len"]): r["median_decode_latency"] for r in result["runs"]}
+    measured = {
+        (r["batch_size"], r["input_len"]): r["median_decode_latency"] for r in result["runs"]
+    }
     rows = []
     for batch in args.batch:
         for context in args.context:
-            point = dict(bench=BENCH, policy=policy, model_shape=args.shape, batch=batch, context=context)
+            point = dict(
+                bench=BENCH, policy=policy, model_shape=args.shape, batch=batch, context=context
+            )
             latency = measured.get((batch, context))
             if latency is None:
                 need = batch * (context + args.output_len)
                 reason = f"KV needs {need} tokens, pool holds {result['kv_capacity_tokens']}"
                 rows += [info.row(**point, metric=m, value=None, skipped=reason) for m in METRICS]
             else:
-                rows.append(info.row(**point, metric="decode_step_latency_s", value=latency))
-                rows.append(info.row(**point, metric="decode_throughput_tok_s", value=batch / latency))
+                values = (latency, batch / latency)
+                rows += [info.row(**point, metric=m, value=v) for m, v in zip(METRICS, values)]
     return rows
-
 
 
 def main(argv: list[str] | None = None) -> None:

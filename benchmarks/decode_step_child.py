@@ -16,9 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.harness import VANILLA
 from sglang_ext.platform import cpu
-
-VANILLA = "vanilla"
 
 
 def main() -> None:
@@ -29,23 +28,24 @@ def main() -> None:
     parser.add_argument("--prefill-slice-tokens", type=int, default=16384)
     parser.add_argument("one_batch_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
-    one_batch_args = args.one_batch_args[1:] if args.one_batch_args[:1] == ["--"] else args.one_batch_args
+    one_batch_args = (
+        args.one_batch_args[1:] if args.one_batch_args[:1] == ["--"] else args.one_batch_args
+    )
 
     cpu.activate()
     if args.policy != VANILLA:
         _load_policy_plugin(args.policy, args.policy_config)
 
-    import sglang.benchmark.one_batch as one_batch
+    from sglang.benchmark import one_batch
 
     engine = _patch_one_batch(one_batch, args.prefill_slice_tokens)
     with tempfile.TemporaryDirectory() as tmp:
         jsonl = Path(tmp) / "one_batch.jsonl"
         sys.argv = ["one_batch", *one_batch_args, "--result-filename", str(jsonl)]
         one_batch.cli_main()
-        runs = [json.loads(line) for line in jsonl.read_text().splitlines()] if jsonl.exists() else []
+        runs = [json.loads(line) for line in jsonl.read_text().splitlines()]
 
-    is_policy_backend = engine["attention_backend"].startswith("Policy")
-    if is_policy_backend != (args.policy != VANILLA):
+    if engine.pop("is_policy_backend") != (args.policy != VANILLA):
         raise SystemExit(f"policy {args.policy!r} decoded with {engine['attention_backend']}")
     args.result_json.write_text(json.dumps({**engine, "runs": runs}))
 
@@ -58,7 +58,8 @@ def _load_policy_plugin(name: str, config: str | None) -> None:
 
     export_policy(policy_from_flags(name, config))
     load_plugins()
-    # Where sglang_ext is on PYTHONPATH but not installed, load_plugins() finds no entry point.
+    # load_plugins() finds sglang_ext only through an installed entry point; one_batch runs the
+    # model in this process, so registering directly also serves a PYTHONPATH-only checkout.
     plugin.register()
 
 
@@ -67,13 +68,17 @@ def _patch_one_batch(one_batch, slice_tokens: int) -> dict:
     the engine's KV capacity and attention backend once the model is loaded."""
     import torch
 
+    from sglang_ext.backend import PolicyDispatchMixin
+
     engine: dict = {}
     load_model = one_batch.load_model
 
     def load_model_and_record(*args, **kwargs):
         runner, tokenizer = load_model(*args, **kwargs)
         engine["kv_capacity_tokens"] = runner.torch_runner.max_total_num_tokens
-        engine["attention_backend"] = type(runner.torch_runner.attn_backend).__name__
+        backend = runner.torch_runner.attn_backend
+        engine["attention_backend"] = type(backend).__name__
+        engine["is_policy_backend"] = isinstance(backend, PolicyDispatchMixin)
         return runner, tokenizer
 
     def extend_in_slices(self, reqs):
@@ -84,7 +89,9 @@ def _patch_one_batch(one_batch, slice_tokens: int) -> dict:
         next_ids, batch, start = [], None, 0
         while start < len(reqs):
             end, tokens = start, 0
-            while end < len(reqs) and (end == start or tokens + len(reqs[end].origin_input_ids) <= slice_tokens):
+            while end < len(reqs) and (
+                end == start or tokens + len(reqs[end].origin_input_ids) <= slice_tokens
+            ):
                 tokens += len(reqs[end].origin_input_ids)
                 end += 1
             ids, _, part = one_batch.extend(reqs[start:end], self.torch_runner)

@@ -4,19 +4,16 @@ rows, a section of RESULTS.md, PNG plots via benchmarks.plot)."""
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import datetime as dt
 import json
 import os
 import re
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
@@ -24,6 +21,7 @@ from pathlib import Path
 import requests
 
 from sglang_ext.config import POLICY_ENV
+from sglang_ext.launch import CPU_DEFAULT_MAX_TOTAL_TOKENS
 from sglang_ext.platform import cpu
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -31,10 +29,8 @@ CONFIGS_DIR = BENCH_DIR / "configs"
 DEFAULT_OUT_DIR = BENCH_DIR / "results"
 DEFAULT_RESULTS_MD = BENCH_DIR / "RESULTS.md"
 VANILLA = "vanilla"
-# Same cap as sglang_ext.launch on CPU: uncapped, SGLang sizes the pool from host memory.
-CPU_MAX_TOTAL_TOKENS = 65536
 PLUGIN_GROUP = "sglang.srt.plugins"
-PLUGIN_ENTRY = "sglang_ext = sglang_ext.plugin:register"
+PLUGIN_TARGET = "sglang_ext.plugin:register"
 
 
 @dataclasses.dataclass
@@ -63,7 +59,7 @@ class RunInfo:
     command: str
 
     @classmethod
-    def detect(cls) -> "RunInfo":
+    def detect(cls) -> RunInfo:
         import torch
 
         now = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
@@ -72,7 +68,7 @@ class RunInfo:
             sglang_version=_version("sglang"),
             torch_version=torch.__version__,
             date=now.isoformat().replace("+00:00", "Z"),
-            command=shlex.join(["python", "-m", _main_module(), *sys.argv[1:]]),
+            command=_command_line(),
         )
 
     @property
@@ -83,9 +79,11 @@ class RunInfo:
         return Row(device=self.device, sglang_version=self.sglang_version, date=self.date, **fields)
 
 
-def _main_module() -> str:
+def _command_line() -> str:
+    """How this process was started, as one would type it again."""
     spec = getattr(sys.modules["__main__"], "__spec__", None)
-    return spec.name if spec else sys.argv[0]
+    head = ["python", "-m", spec.name] if spec else ["python", sys.argv[0]]
+    return shlex.join([*head, *sys.argv[1:]])
 
 
 def _version(dist: str) -> str:
@@ -128,42 +126,36 @@ def name_list(text: str) -> list[str]:
 def engine_flags(max_total_tokens: int | None) -> list[str]:
     """SGLang flags for this host, shared by vanilla and policy runs so both see the same engine.
 
-    On CUDA, prefill CUDA-graph capture is off: it takes most of the start-up time and neither
-    benchmark times prefill. Decode CUDA graphs stay on.
+    On CUDA, prefill CUDA-graph capture is off (it takes most of the start-up time); decode CUDA
+    graphs stay on. On CPU the KV pool is capped as sglang_ext.launch caps it.
     """
     if cpu.is_cuda_host():
         flags = ["--attention-backend", "triton", "--disable-prefill-cuda-graph"]
     else:
         flags = cpu.as_argv(cpu.server_flags())
-        max_total_tokens = max_total_tokens or CPU_MAX_TOTAL_TOKENS
+        max_total_tokens = max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS
     if max_total_tokens:
         flags += ["--max-total-tokens", str(max_total_tokens)]
     return flags
 
 
-def engine_env(policy: str) -> dict[str, str]:
+def engine_env() -> dict[str, str]:
     """The environment of an engine process: this host's runtime, and no inherited policy."""
     env = cpu.runtime_env()
     env.pop(POLICY_ENV, None)
     env["PYTHONUNBUFFERED"] = "1"
-    if policy != VANILLA:
-        _make_plugin_discoverable(env)
     return env
 
 
-def _make_plugin_discoverable(env: dict[str, str]) -> None:
+def require_plugin_entry_point() -> None:
     """SGLang loads plugins in each engine process (the spawned scheduler too) from installed entry
-    points only. Where sglang_ext is merely on PYTHONPATH, a policy server would silently serve
-    vanilla; a minimal dist-info declaring the entry point, put on the path, prevents that."""
-    if any(ep.value == PLUGIN_ENTRY.split(" = ")[1] for ep in metadata.entry_points(group=PLUGIN_GROUP)):
-        return
-    folder = Path(tempfile.mkdtemp(prefix="sglang_ext-entry-point-"))
-    atexit.register(shutil.rmtree, folder, True)
-    info = folder / "sglang_ext-0.0.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang-ext\nVersion: 0.0.0\n")
-    (info / "entry_points.txt").write_text(f"[{PLUGIN_GROUP}]\n{PLUGIN_ENTRY}\n")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(folder), env.get("PYTHONPATH", "")] if p)
+    points only: with sglang_ext merely on PYTHONPATH, a policy server would serve vanilla."""
+    if not any(ep.value == PLUGIN_TARGET for ep in metadata.entry_points(group=PLUGIN_GROUP)):
+        raise SystemExit(
+            f"no {PLUGIN_GROUP} entry point for {PLUGIN_TARGET}: install sglang_ext "
+            "(pip install -e ., or on the GPU machine scripts/gpu_install_ext.sh and "
+            "PYTHONPATH=/tmp/site:/tmp/ext)"
+        )
 
 
 def free_port() -> int:
@@ -185,11 +177,15 @@ class SglangServer:
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "SglangServer":
+    def __enter__(self) -> SglangServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                self.argv,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         return self
 
@@ -200,7 +196,9 @@ class SglangServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{log_tail(self.log_path)}")
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode}:\n{log_tail(self.log_path)}"
+                )
             try:
                 if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
                     return
@@ -236,7 +234,9 @@ def add_baseline_ratios(rows: list[Row]) -> None:
 def _fmt(value: float | int | None) -> str:
     if value is None:
         return "–"
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+    if isinstance(value, int) or abs(value) >= 1000:
+        return f"{value:.0f}"
+    return f"{value:.4g}"
 
 
 def markdown_table(rows: list[Row]) -> str:
@@ -261,16 +261,14 @@ def _unused_path(path: Path) -> Path:
     return candidate
 
 
-def result_stem(bench: str, shape: str, info: RunInfo) -> str:
-    return f"{bench}-{shape}-{info.device_slug}-{info.date[:10]}"
-
-
 def save_results(
     bench: str, shape: str, rows: list[Row], info: RunInfo, out_dir: Path, results_md: Path
 ) -> Path:
-    """Write the rows as JSON, append a RESULTS.md section, print the table; returns the JSON path."""
+    """Write the rows as JSON, append a RESULTS.md section and print the table.
+
+    Returns the JSON's path."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = _unused_path(out_dir / f"{result_stem(bench, shape, info)}.json")
+    json_path = _unused_path(out_dir / f"{bench}-{shape}-{info.device_slug}-{info.date[:10]}.json")
     json_path.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1) + "\n")
     table = markdown_table(rows)
     section = "\n".join(
@@ -288,8 +286,8 @@ def save_results(
     if not results_md.exists():
         results_md.parent.mkdir(parents=True, exist_ok=True)
         results_md.write_text(
-            "# Benchmark results\n\nSections appended by the scripts in benchmarks/; each policy is "
-            "compared with vanilla SGLang measured in the same run.\n\n"
+            "# Benchmark results\n\nSections appended by the scripts in benchmarks/; each policy "
+            "is compared with vanilla SGLang measured in the same run.\n\n"
         )
     with open(results_md, "a") as md:
         md.write(section + "\n")

@@ -26,13 +26,20 @@ def plot_decode_step(rows: list[Row], path: Path) -> Path | None:
     if not measured:
         return None
     batches = sorted({r.batch for r in measured})
+    contexts = sorted({r.context for r in measured})
     fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 3.8), squeeze=False)
     for ax, batch in zip(axes[0], batches):
         for policy in _policies(measured):
-            points = sorted((r.context, r.value * 1e3) for r in measured if r.batch == batch and r.policy == policy)
+            points = sorted(
+                (r.context, r.value * 1e3)
+                for r in measured
+                if r.batch == batch and r.policy == policy
+            )
             if points:
                 ax.plot(*zip(*points), marker="o", label=policy)
         ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [str(c) for c in contexts])
+        ax.minorticks_off()
         ax.set(title=f"batch {batch}", xlabel="context (tokens)", ylabel="decode step (ms)")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
@@ -44,9 +51,13 @@ def plot_decode_step(rows: list[Row], path: Path) -> Path | None:
     return path
 
 
-def plot_e2e(rows: list[Row], kv_timelines: dict[str, list[tuple[float, int]]], path: Path) -> Path | None:
+def plot_e2e(
+    rows: list[Row], kv_timelines: dict[str, list[tuple[float, int]]], path: Path
+) -> Path | None:
     """KV tokens in use over each policy's run, and output throughput per policy."""
-    throughput = {r.policy: r.value for r in rows if r.metric == "e2e_output_tok_s" and r.value is not None}
+    throughput = {
+        r.policy: r.value for r in rows if r.metric == "e2e_output_tok_s" and r.value is not None
+    }
     if not throughput:
         return None
     fig, (kv_ax, tput_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
