@@ -1,0 +1,36 @@
+import json
+
+import pytest
+
+from benchmarks import harness, overhead
+
+
+def _row(policy, value, batch=1):
+    return harness.Row(bench="b", policy=policy, model_shape="s", batch=batch, context=8, metric="m", value=value)
+
+
+def test_ratios_are_against_vanilla_at_the_same_point():
+    rows = [_row("vanilla", 2.0), _row("full", 3.0), _row("vanilla", 4.0, batch=2), _row("full", 2.0, batch=2)]
+    harness.add_baseline_ratios(rows)
+    assert [(r.baseline_value, r.ratio) for r in rows] == [(2.0, 1.0), (2.0, 1.5), (4.0, 1.0), (4.0, 0.5)]
+
+
+def test_overhead_pools_every_point_of_every_run(tmp_path, capsys):
+    runs = []
+    for i, ratios in enumerate([[1.5, 0.5], [2.0]]):
+        path = tmp_path / f"run{i}.json"
+        rows = [{"metric": "m", "policy": "vanilla", "ratio": 1.0}]
+        rows += [{"metric": "m", "policy": "full", "ratio": r} for r in ratios]
+        rows += [{"metric": "other", "policy": "full", "ratio": 9.0}]
+        path.write_text(json.dumps(rows))
+        runs.append(path)
+    overhead.main(["--metric", "m", *map(str, runs)])
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line == f"| full | m | 2 | 3 | {(1.5 * 0.5 * 2.0) ** (1 / 3):.4f} | 0.5000 | 2.0000 |"
+
+
+def test_overhead_refuses_files_without_the_metric(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text("[]")
+    with pytest.raises(SystemExit, match="no policy rows"):
+        overhead.main(["--metric", "m", str(path)])
