@@ -25,31 +25,14 @@ METRICS = ("decode_step_latency_s", "decode_throughput_tok_s")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=f"python -m benchmarks.{BENCH}", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument(
-        "--shape", required=True, help="model shape: a folder of benchmarks/configs"
-    )
-    parser.add_argument("--policies", type=harness.name_list, default=[harness.VANILLA, "full"])
-    parser.add_argument(
-        "--policy-config", default=None, help="JSON given to every non-vanilla policy"
-    )
+    parser = harness.common_parser(BENCH, __doc__)
     parser.add_argument("--batch", type=harness.int_list, default=[1, 16, 64])
     parser.add_argument("--context", type=harness.int_list, default=[4096, 16384])
     parser.add_argument(
         "--output-len", type=int, default=32, help="decode steps per point (median taken)"
     )
     parser.add_argument(
-        "--max-total-tokens", type=int, default=None, help="KV pool size (default: SGLang's)"
-    )
-    parser.add_argument(
         "--prefill-slice-tokens", type=int, default=16384, help="tokens per prefill forward"
-    )
-    parser.add_argument("--out-dir", type=Path, default=harness.DEFAULT_OUT_DIR)
-    parser.add_argument("--results-md", type=Path, default=harness.DEFAULT_RESULTS_MD)
-    parser.add_argument(
-        "--log-dir", type=Path, default=None, help="engine logs (default: --out-dir)"
     )
     return parser
 

@@ -18,12 +18,11 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import requests
 
 from benchmarks import harness, plot
-from benchmarks.harness import Row, RunInfo, SglangServer
+from benchmarks.harness import EngineServer, Row, RunInfo
 
 BENCH = "e2e"
 # Logged by sglang_ext.backend when an engine process builds a policy backend.
@@ -31,22 +30,10 @@ POLICY_ACTIVE_LOG = "decoding with policy"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=f"python -m benchmarks.{BENCH}", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument(
-        "--shape", required=True, help="model shape: a folder of benchmarks/configs"
-    )
-    parser.add_argument("--policies", type=harness.name_list, default=[harness.VANILLA, "full"])
-    parser.add_argument(
-        "--policy-config", default=None, help="JSON given to every non-vanilla policy"
-    )
+    parser = harness.common_parser(BENCH, __doc__)
     parser.add_argument("--requests", type=int, default=64, help="sent at once")
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=1024)
-    parser.add_argument(
-        "--max-total-tokens", type=int, default=None, help="KV pool size (default: SGLang's)"
-    )
     parser.add_argument(
         "--sample-interval", type=float, default=0.05, help="seconds between KV samples"
     )
@@ -59,11 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="of the random input ids (same for every policy)"
-    )
-    parser.add_argument("--out-dir", type=Path, default=harness.DEFAULT_OUT_DIR)
-    parser.add_argument("--results-md", type=Path, default=harness.DEFAULT_RESULTS_MD)
-    parser.add_argument(
-        "--log-dir", type=Path, default=None, help="server logs (default: --out-dir)"
     )
     return parser
 
@@ -172,11 +154,11 @@ def main(argv: list[str] | None = None) -> None:
         port = harness.free_port()
         log_path = log_dir / f"{BENCH}-{args.shape}-{policy}.log"
         print(f"{BENCH}: {policy} on {args.shape} ({info.device}), log {log_path}", flush=True)
-        with SglangServer(
-            server_argv(args, policy, port), harness.engine_env(), port, log_path
+        with EngineServer(
+            server_argv(args, policy, port), harness.engine_env(), log_path, port
         ) as server:
             server.wait_ready()
-            if policy != harness.VANILLA and not server.log_contains(POLICY_ACTIVE_LOG):
+            if policy != harness.VANILLA and not POLICY_ACTIVE_LOG in server.log():
                 raise RuntimeError(f"{policy}: the server did not load the policy; log {log_path}")
             tok_s, samples = measure(server.url, prompts, args.output_len, args.sample_interval)
             greedy[policy] = [

@@ -4,23 +4,20 @@ rows, a section of RESULTS.md, PNG plots via benchmarks.plot)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime as dt
 import json
 import os
 import re
 import shlex
-import signal
-import socket
-import subprocess
 import sys
-import time
 from importlib import metadata
 from pathlib import Path
 
-import requests
 
 from sglang_ext.config import POLICY_ENV
+from sglang_ext.engine_process import EngineServer, free_port, log_tail  # noqa: F401  (re-exported)
 from sglang_ext.launch import CPU_DEFAULT_MAX_TOTAL_TOKENS
 from sglang_ext.platform import cpu
 
@@ -115,6 +112,29 @@ def shape_config(shape: str) -> dict:
     return json.loads((shape_path(shape) / "config.json").read_text())
 
 
+def common_parser(bench: str, doc: str) -> argparse.ArgumentParser:
+    """The flags every benchmark takes: what to run, against which policies, where results go."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m benchmarks.{bench}", description=doc.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--shape", required=True, help="model shape: a folder of benchmarks/configs"
+    )
+    parser.add_argument("--policies", type=name_list, default=[VANILLA, "full"])
+    parser.add_argument(
+        "--policy-config", default=None, help="JSON given to every non-vanilla policy"
+    )
+    parser.add_argument(
+        "--max-total-tokens", type=int, default=None, help="KV pool size (default: SGLang's)"
+    )
+    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
+    parser.add_argument("--results-md", type=Path, default=DEFAULT_RESULTS_MD)
+    parser.add_argument(
+        "--log-dir", type=Path, default=None, help="engine logs (default: --out-dir)"
+    )
+    return parser
+
+
 def int_list(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part]
 
@@ -156,69 +176,6 @@ def require_plugin_entry_point() -> None:
             "(pip install -e ., or on the GPU machine scripts/gpu_install_ext.sh and "
             "PYTHONPATH=/tmp/site:/tmp/ext)"
         )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def log_tail(path: Path, chars: int = 3000) -> str:
-    return path.read_text(errors="replace")[-chars:] if path.exists() else ""
-
-
-class SglangServer:
-    """An SGLang HTTP server in its own process group, logging to a file; stopping it ends the
-    whole group (scheduler and detokenizer processes included)."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], port: int, log_path: Path):
-        self.argv, self.env, self.port, self.log_path = argv, env, port, log_path
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> SglangServer:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.argv,
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def wait_ready(self, timeout_s: float = 900) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"server exited with {self.proc.returncode}:\n{log_tail(self.log_path)}"
-                )
-            try:
-                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"server not ready after {timeout_s}s:\n{log_tail(self.log_path)}")
-
-    def log_contains(self, text: str) -> bool:
-        return text in self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
 
 
 def add_baseline_ratios(rows: list[Row]) -> None:

@@ -2,9 +2,8 @@
 
 import pytest
 import torch
+from kernel_cases import DEVICE
 from sglang_ext.kernels.page_select import select_pages, select_tokens
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def expected_pages(scores, seq_len, budget, num_recent, page_size):
