@@ -22,12 +22,26 @@ DecodeFn = Callable[..., Any]
 
 
 @dataclasses.dataclass(frozen=True)
+class DecodeContext:
+    """What the attention backend gives a policy at start-up to build its decode functions."""
+
+    num_layers: int
+    base_decode: DecodeFn  # the engine's own full attention (writes the new token's K/V itself)
+    write_kv: Callable[..., None]  # write_kv(layer, forward_batch, k, v): store the new token's K/V
+    kv_pool: Any  # SGLang's token_to_kv_pool: get_key_buffer(layer_id) -> [slots, kv_heads, dim]
+    req_to_token: Any  # [request slots, max context] int32: cache slot of each request's tokens
+    max_batch_size: int  # no decode batch is larger: per-batch state is allocated once this size
+    device: Any  # torch.device of the KV cache
+
+
+@dataclasses.dataclass(frozen=True)
 class KVPolicy:
     """A decode-time KV policy: a small frozen dataclass of validated parameters.
 
     Subclasses set ``name`` and declare their parameters as dataclass fields with defaults, and
     check ranges in ``validate``. The attention backend asks ``decode_fns`` once, at start-up,
-    for one decode function per layer, so the per-layer cost of dispatch is a list lookup.
+    for one decode function per layer, so the per-layer cost of dispatch is a list lookup. A
+    parameter the model contradicts (a layer past its depth) raises PolicyConfigError there.
     """
 
     name: ClassVar[str]
@@ -39,9 +53,9 @@ class KVPolicy:
     def validate(self) -> None:
         """Raise PolicyConfigError(field, ...) for an out-of-range parameter."""
 
-    def decode_fns(self, num_layers: int, base_decode: DecodeFn) -> list[DecodeFn]:
-        """One decode function per layer; ``base_decode`` is the engine's own full attention."""
-        return [base_decode] * num_layers
+    def decode_fns(self, ctx: DecodeContext) -> list[DecodeFn]:
+        """One decode function per layer, built once from the backend's context."""
+        return [ctx.base_decode] * ctx.num_layers
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, **dataclasses.asdict(self)}
@@ -50,7 +64,7 @@ class KVPolicy:
     def parameter_schema(cls) -> dict[str, Any]:
         hints = typing.get_type_hints(cls)
         return {
-            f.name: {"type": _type_name(hints[f.name]), "default": f.default}
+            f.name: {"type": _type_name(hints[f.name]), "default": _default(f)}
             for f in dataclasses.fields(cls)
         }
 
@@ -64,6 +78,13 @@ class KVPolicy:
                     f"{self.name}.{f.name}",
                     f"expected {_type_name(expected)}, got {type(value).__name__} {value!r}",
                 )
+
+
+def _default(field: dataclasses.Field) -> Any:
+    # list defaults come from a factory (a dataclass refuses a shared mutable default)
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
 
 
 def _is_instance(value: Any, expected: Any) -> bool:

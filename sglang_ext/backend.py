@@ -9,53 +9,84 @@ package installed is vanilla SGLang.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable
 
+import torch
+
 from sglang_ext.config import active_policy
-from sglang_ext.policies import KVPolicy
+from sglang_ext.policies import DecodeContext, KVPolicy
 
 logger = logging.getLogger(__name__)
 
 
 class PolicyDispatchMixin:
-    """Per-layer decode dispatch, resolved once at construction: the hot path is a list lookup."""
+    """Per-layer decode dispatch, resolved once at construction: the hot path is a list lookup.
 
-    def _attach_policy(self, policy: KVPolicy, num_layers: int) -> None:
+    A subclass names the SGLang backend it extends and how that backend stores a decoded token's
+    K/V (``write_decode_kv``), for policy layers that attend with their own kernels.
+    """
+
+    def __init__(self, model_runner, policy: KVPolicy):
+        super().__init__(model_runner)
         self.kv_policy = policy
-        self._decode_by_layer = policy.decode_fns(num_layers, super().forward_decode)
+        context = DecodeContext(
+            num_layers=model_runner.model_config.num_hidden_layers,
+            base_decode=super().forward_decode,
+            write_kv=self.write_decode_kv,
+            kv_pool=self.token_to_kv_pool,
+            req_to_token=self.req_to_token_pool.req_to_token,
+            max_batch_size=self.req_to_token_pool.size,
+            device=torch.device(model_runner.device),
+        )
+        self._decode_by_layer = policy.decode_fns(context)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         decode = self._decode_by_layer[layer.layer_id]
         return decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
-
-def _policy_backend(base_cls: type) -> type:
-    class PolicyBackend(PolicyDispatchMixin, base_cls):
-        def __init__(self, model_runner, policy: KVPolicy):
-            super().__init__(model_runner)
-            self._attach_policy(policy, model_runner.model_config.num_hidden_layers)
-
-    PolicyBackend.__name__ = PolicyBackend.__qualname__ = f"Policy{base_cls.__name__}"
-    return PolicyBackend
+    def write_decode_kv(self, layer, forward_batch, k, v) -> None:
+        raise NotImplementedError
 
 
-def _triton_base() -> type:
+@functools.cache
+def _triton_backend() -> type:
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-    return TritonAttnBackend
+    class PolicyTritonAttnBackend(PolicyDispatchMixin, TritonAttnBackend):
+        def write_decode_kv(self, layer, forward_batch, k, v) -> None:
+            # as TritonAttnBackend.forward_decode does for a non-MLA model
+            meta = self.forward_metadata
+            loc = KVWriteLoc(
+                forward_batch.out_cache_loc,
+                meta.swa_out_cache_loc,
+                full_loc=meta.out_cache_loc_full_physical,
+            )
+            self._set_kv_buffer(forward_batch, layer, loc, k, v, layer.k_scale, layer.v_scale)
+
+    return PolicyTritonAttnBackend
 
 
-def _torch_native_base() -> type:
+@functools.cache
+def _torch_native_backend() -> type:
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-    return TorchNativeAttnBackend
+    class PolicyTorchNativeAttnBackend(PolicyDispatchMixin, TorchNativeAttnBackend):
+        def write_decode_kv(self, layer, forward_batch, k, v) -> None:
+            # as TorchNativeAttnBackend.forward_decode does
+            loc = KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc)
+            self.token_to_kv_pool.set_kv_buffer(layer, loc, k, v)
+
+    return PolicyTorchNativeAttnBackend
 
 
-# SGLang backend name -> its class (imported lazily: the triton module is heavy).
+# SGLang backend name -> our subclass of it (imported lazily: the triton module is heavy).
 POLICY_BASES: dict[str, Callable[[], type]] = {
-    "triton": _triton_base,
-    "torch_native": _torch_native_base,
+    "triton": _triton_backend,
+    "torch_native": _torch_native_backend,
 }
 
 
@@ -64,7 +95,7 @@ def policy_backend_factory(name: str, stock_factory: Callable) -> Callable:
         policy = active_policy()
         if policy is None:
             return stock_factory(model_runner)
-        backend = _policy_backend(POLICY_BASES[name]())(model_runner, policy)
+        backend = POLICY_BASES[name]()(model_runner, policy)
         logger.info("sglang_ext: %s decoding with policy %s", type(backend).__name__, policy.describe())
         return backend
 

@@ -69,11 +69,17 @@ class EngineServer:
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        """SIGTERM to the server, which shuts its own children down; the group is killed after."""
+        if self.proc is None:
             return
-        os.killpg(self.proc.pid, signal.SIGTERM)
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
         try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever child outlived it
+        except ProcessLookupError:
+            pass

@@ -42,11 +42,15 @@ def test_exported_policy_is_what_engine_processes_build(monkeypatch):
 @pytest.mark.parametrize(
     "args, fragments",
     [
-        (["--policy", "nope"], ["argument --policy:", "unknown policy 'nope'", "valid: full"]),
+        (["--policy", "nope"], ["argument --policy:", "unknown policy 'nope'", "valid: delta, full"]),
         (["--policy-config", "{bad"], ["argument --policy-config:", "invalid JSON"]),
         (
             ["--policy", "full", "--policy-config", '{"budget": 3}'],
             ["argument --policy-config:", "field full.budget", "takes no parameters"],
+        ),
+        (
+            ["--policy", "delta", "--policy-config", '{"recent_pages": 9, "budget_pages": 8}'],
+            ["argument --policy-config:", "field delta.recent_pages", "budget_pages=8"],
         ),
         (
             ["--attention-backend", "flashinfer"],

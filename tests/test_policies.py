@@ -2,7 +2,14 @@ import dataclasses
 
 import pytest
 
-from sglang_ext.policies import KVPolicy, PolicyConfigError, build_policy, policy_names, registry
+from sglang_ext.policies import (
+    DecodeContext,
+    KVPolicy,
+    PolicyConfigError,
+    build_policy,
+    policy_names,
+    registry,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,4 +95,15 @@ def test_default_decode_dispatch_is_the_engine_decode_for_every_layer():
     def base(*args):
         return args
 
-    assert build_policy("full").decode_fns(3, base) == [base, base, base]
+    context = DecodeContext(
+        num_layers=3, base_decode=base, write_kv=None, kv_pool=None, req_to_token=None,
+        max_batch_size=1, device="cpu",
+    )  # fmt: skip
+    assert build_policy("full").decode_fns(context) == [base, base, base]
+
+
+def test_list_defaults_appear_in_the_schema():
+    assert build_policy("delta").parameter_schema()["delta_layers"] == {
+        "type": "list[int]",
+        "default": [2, 14, 22],
+    }

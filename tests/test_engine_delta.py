@@ -1,0 +1,81 @@
+"""The real SGLang engine on CPU with SmolLM2 serving ``--policy delta``, beside ``--policy full``."""
+
+import json
+import re
+import sys
+
+import pytest
+import requests
+
+from server import ServerProcess, free_port
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = [
+    "Once upon a time, in a small village by the sea,",
+    "def fibonacci(n):\n    ",
+]
+# About 300 tokens: 19 pages, far more than the small budget's 4.
+LONG_PROMPT = " ".join(
+    f"Fact {i}: the {color} box holds {i * 7} marbles."
+    for i, color in enumerate(["red", "blue", "green", "yellow", "white"] * 5)
+) + " Question: how many marbles does the green box of fact 2 hold? Answer:"
+COMMON = ["--max-total-tokens", "16384", "--log-level", "info"]
+CONFIGS = {
+    "full": None,
+    "delta": {"budget_pages": 64, "recent_pages": 8},  # covers every prompt here: exact
+    "delta_small": {"budget_pages": 4, "recent_pages": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def servers(model_path, strict_env, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("engine-logs")
+    started = {}
+    try:
+        for name, config in CONFIGS.items():  # all boot at once
+            port = free_port()
+            policy = ["--policy", name.split("_")[0]]
+            if config is not None:
+                policy += ["--policy-config", json.dumps(config)]
+            argv = [sys.executable, "-m", "sglang_ext.launch", *policy,
+                    "--model-path", str(model_path), "--port", str(port), *COMMON]  # fmt: skip
+            started[name] = ServerProcess(argv, strict_env, logs / f"{name}.log", port).start()
+        for server in started.values():
+            server.wait_ready()
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+def test_delta_backend_serves_with_the_configured_policy(servers):
+    log = servers["delta_small"].log()
+    assert "PolicyTorchNativeAttnBackend decoding with policy {'name': 'delta'" in log
+    assert "'delta_layers': [2, 14, 22], 'budget_pages': 4, 'recent_pages': 1}" in log
+
+
+def test_a_budget_covering_the_context_gives_full_attentions_greedy_tokens(servers):
+    ours = servers["delta"].generate(PROMPTS, max_new_tokens=32)
+    theirs = servers["full"].generate(PROMPTS, max_new_tokens=32)
+    assert [o["output_ids"] for o in ours] == [t["output_ids"] for t in theirs]
+    assert all(len(o["output_ids"]) > 8 for o in ours)
+    assert "first selected fewer pages" not in servers["delta"].log()
+
+
+def test_a_small_budget_selects_the_budget_and_still_answers(servers):
+    server = servers["delta_small"]
+    out = server.generate(LONG_PROMPT, max_new_tokens=16)
+    assert out["meta_info"]["prompt_tokens"] > 4 * 16 * 4
+    assert len(out["output_ids"]) > 0 and out["text"].strip()
+    match = re.search(r"delta layer 2 first selected fewer pages than a request has: "
+                      r"\[(\d+)\] of \[(\d+)\]", server.log())  # fmt: skip
+    assert match, "no selection was logged"
+    assert int(match[1]) == 4 < int(match[2])
+
+
+def test_no_kv_leak_after_the_requests(servers):
+    for server in servers.values():
+        server.wait_idle()
+        assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
+        assert "leak" not in server.log().lower()

@@ -1,0 +1,220 @@
+"""DELTA's parameters, layer roles and decode functions, on a small synthetic KV cache (CPU)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_ext.kernels.split_kv_decode import attend_positions_ref
+from sglang_ext.policies import DecodeContext, PolicyConfigError, build_policy
+from sglang_ext.policies.delta import LayerRole
+
+FULL, SELECT, SPARSE = LayerRole.FULL, LayerRole.SELECT, LayerRole.SPARSE
+
+
+def test_defaults_are_the_papers():
+    assert build_policy("delta").describe() == {
+        "name": "delta",
+        "full_layers": [0, 1],
+        "delta_layers": [2, 14, 22],
+        "budget_pages": 64,
+        "recent_pages": 8,
+    }
+
+
+@pytest.mark.parametrize(
+    "params, field, fragment",
+    [
+        ({"budget_pages": 0}, "budget_pages", "must be >= 1"),
+        ({"recent_pages": -1}, "recent_pages", "must be in [0, budget_pages=64]"),
+        ({"budget_pages": 4, "recent_pages": 5}, "recent_pages", "must be in [0, budget_pages=4]"),
+        ({"full_layers": [0, -1]}, "full_layers", "must be >= 0"),
+        ({"full_layers": [0, 1, 1]}, "full_layers", "lists a layer twice"),
+        ({"delta_layers": [2, -3]}, "delta_layers", "must be >= 0"),
+        ({"delta_layers": []}, "delta_layers", "at least one"),
+        ({"delta_layers": [2, 2]}, "delta_layers", "lists a layer twice"),
+        ({"delta_layers": [2, 22, 14]}, "delta_layers", "ascending"),
+        ({"full_layers": [0, 1, 14]}, "full_layers", "[14] are Δ-layers too"),
+        ({"full_layers": [0]}, "full_layers", "layers [1] come before the first Δ-layer (2)"),
+        ({"delta_layers": ["2"]}, "delta_layers", "expected list[int]"),
+    ],
+)
+def test_bad_parameters_name_the_field(params, field, fragment):
+    with pytest.raises(PolicyConfigError) as err:
+        build_policy("delta", params)
+    assert err.value.field == f"delta.{field}"
+    assert fragment in str(err.value)
+
+
+def test_roles_of_a_30_layer_model():
+    roles = build_policy("delta").layer_roles(30)
+    assert roles[:3] == [FULL, FULL, SELECT]
+    assert [i for i, role in enumerate(roles) if role is SELECT] == [2, 14, 22]
+    assert roles.count(SPARSE) == 25 and roles[29] is SPARSE
+
+
+def test_full_layers_may_follow_a_delta_layer():
+    roles = build_policy("delta", {"full_layers": [0, 1, 5], "delta_layers": [2]}).layer_roles(6)
+    assert roles == [FULL, FULL, SELECT, SPARSE, SPARSE, FULL]
+
+
+@pytest.mark.parametrize(
+    "params, field",
+    [({}, "delta_layers"), ({"full_layers": [0, 1, 20], "delta_layers": [2]}, "full_layers")],
+)
+def test_layers_beyond_the_models_depth_are_refused_at_bind(params, field):
+    policy = build_policy("delta", params)
+    with pytest.raises(PolicyConfigError) as err:
+        policy.decode_fns(Cache(num_layers=20).context())
+    assert err.value.field == f"delta.{field}"
+    assert "beyond the model's 20 layers" in str(err.value)
+
+
+class Cache:
+    """A KV pool and request table like SGLang's: each request's tokens in scattered slots."""
+
+    Q_HEADS, KV_HEADS, DIM, SLOTS, MAX_BATCH = 4, 2, 64, 2048, 6
+
+    def __init__(self, num_layers=4, seq_lens=(300, 40, 17), device="cpu"):
+        gen = torch.Generator().manual_seed(0)
+        self.num_layers, self.device = num_layers, torch.device(device)
+        # fp16 on CUDA, as served; fp32 on CPU, where the torch references compute
+        dtype = torch.float16 if self.device.type == "cuda" else torch.float32
+        self.tol = {"rtol": 1e-2, "atol": 5e-3} if dtype == torch.float16 else {}
+
+        def randn(*shape):
+            return torch.randn(shape, generator=gen).to(self.device, dtype)
+
+        self.keys = [randn(self.SLOTS, self.KV_HEADS, self.DIM) for _ in range(num_layers)]
+        self.values = [randn(self.SLOTS, self.KV_HEADS, self.DIM) for _ in range(num_layers)]
+        req_to_token = torch.zeros(8, 512, dtype=torch.int32)
+        slots = torch.randperm(self.SLOTS, generator=gen).int()
+        start = 0
+        for row, n in enumerate(seq_lens):
+            req_to_token[row + 1, :n] = slots[start : start + n]  # rows 1.. like a live pool
+            start += n
+        rows, lens = torch.arange(1, len(seq_lens) + 1), torch.tensor(seq_lens)
+        self.req_to_token = req_to_token.to(self.device)
+        self.batch = SimpleNamespace(
+            req_pool_indices=rows.to(self.device),
+            seq_lens=lens.to(self.device),
+            seq_lens_cpu=lens,
+            out_cache_loc=req_to_token[rows, lens - 1].long().to(self.device),  # decoded token's
+        )
+        self.q = randn(len(seq_lens), self.Q_HEADS * self.DIM)
+        self.new_k = randn(len(seq_lens), self.KV_HEADS, self.DIM)
+        self.new_v = randn(len(seq_lens), self.KV_HEADS, self.DIM)
+
+    def context(self, base_decode=None):
+        return DecodeContext(
+            num_layers=self.num_layers,
+            base_decode=base_decode,
+            write_kv=self.write_kv,
+            kv_pool=SimpleNamespace(
+                get_key_buffer=self.keys.__getitem__, get_value_buffer=self.values.__getitem__
+            ),
+            req_to_token=self.req_to_token,
+            max_batch_size=self.MAX_BATCH,
+            device=self.device,
+        )
+
+    def write_kv(self, layer, forward_batch, k, v):
+        self.keys[layer.layer_id][forward_batch.out_cache_loc] = k
+        self.values[layer.layer_id][forward_batch.out_cache_loc] = v
+
+    def layer(self, layer_id):
+        return SimpleNamespace(
+            layer_id=layer_id, tp_q_head_num=self.Q_HEADS, qk_head_dim=self.DIM, scaling=0.125
+        )
+
+    def decode(self, decode_fn, layer_id):
+        return decode_fn(self.q, self.new_k, self.new_v, self.layer(layer_id), self.batch, True)
+
+    def full_attention(self, layer_id):
+        q = self.q.view(-1, self.Q_HEADS, self.DIM)
+        rows = zip(self.batch.req_pool_indices.tolist(), self.batch.seq_lens.tolist())
+        return torch.stack([
+            attend_positions_ref(
+                q[b], self.keys[layer_id], self.values[layer_id],
+                self.req_to_token[row, :n].long(), 0.125,
+            )[0]
+            for b, (row, n) in enumerate(rows)
+        ]).view(len(q), -1).to(q.dtype)  # fmt: skip
+
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
+]
+
+
+def delta_decode_fns(cache, **params):
+    policy = build_policy("delta", {"full_layers": [0, 1], "delta_layers": [2], **params})
+    fns = policy.decode_fns(cache.context(base_decode="engine decode"))
+    return fns, fns[2].__self__  # the DeltaDecoder holding the selection
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_budget_covering_the_context_gives_full_attention(device):
+    cache = Cache(device=device)
+    fns, decoder = delta_decode_fns(cache, budget_pages=32, recent_pages=8)
+    assert fns[:2] == ["engine decode", "engine decode"]
+    for layer_id in (2, 3):
+        out = cache.decode(fns[layer_id], layer_id)
+        # the new token's K/V was written before attending
+        slot = cache.batch.out_cache_loc[0]
+        assert torch.equal(cache.keys[layer_id][slot], cache.new_k[0])
+        torch.testing.assert_close(out, cache.full_attention(layer_id), **cache.tol)
+    assert decoder.num_selected[:3].tolist() == [19, 3, 2]  # every page of each request
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_small_budget_selects_budget_pages_into_fixed_state_rows(device, caplog):
+    cache = Cache(device=device)
+    fns, decoder = delta_decode_fns(cache, budget_pages=4, recent_pages=1)
+    assert decoder.selected.shape == (Cache.MAX_BATCH, 4) and decoder.selected.dtype == torch.int32
+    assert decoder.num_selected.shape == (Cache.MAX_BATCH,)
+
+    with caplog.at_level("INFO", logger="sglang_ext.policies.delta"):
+        cache.decode(fns[2], 2)
+        cache.decode(fns[2], 2)
+    assert decoder.num_selected.tolist() == [4, 3, 2, 0, 0, 0]  # rows past the batch untouched
+    logged = [r.getMessage() for r in caplog.records]
+    assert logged == ["sglang_ext: delta layer 2 first selected fewer pages than a request has: "
+                      "[4, 3, 2] of [19, 3, 2]"]  # fmt: skip
+    long_request = decoder.selected[0].tolist()
+    assert long_request == sorted(long_request) and long_request[-1] == 18  # the recent page
+    assert decoder.selected[1].tolist() == [0, 1, 2, 0]
+
+    sparse = cache.decode(fns[3], 3)
+    full = cache.full_attention(3)
+    torch.testing.assert_close(sparse[1:], full[1:], **cache.tol)  # short: all pages
+    assert not torch.allclose(sparse[0], full[0], atol=1e-2)  # long: 4 of 19 pages only
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_decode_replays_in_a_cuda_graph_with_new_inputs():
+    cache = Cache(device="cuda")
+    fns, decoder = delta_decode_fns(cache, budget_pages=4, recent_pages=1)
+
+    def step():
+        return torch.cat([cache.decode(fns[2], 2), cache.decode(fns[3], 3)], dim=1)
+
+    side = torch.cuda.Stream()  # warm up (compile the kernels) off the capturing stream
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+
+    # the next step: another query, and each request a page longer (cache rows stay valid)
+    cache.q.copy_(torch.randn_like(cache.q))
+    cache.batch.seq_lens.add_(16)
+    cache.batch.seq_lens_cpu.add_(16)
+    graph.replay()
+    replayed = captured.clone()
+    torch.testing.assert_close(replayed, step(), **cache.tol)
+    assert decoder.num_selected[:3].tolist() == [4, 4, 3]
+    assert decoder.selected[0, -1].item() == 19  # the new last page, kept as recent
