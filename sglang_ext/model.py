@@ -15,6 +15,17 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 CACHE_ENV = "SGLANG_EXT_MODEL_CACHE"
 _COMPLETE_MARKER = "sglang_ext_converted.json"
+# Bumped when the converted folder changes, so an older conversion in the cache is redone.
+CONVERSION_FORMAT = 2
+# The model card's recommended sampling; SGLang takes defaults from generation_config.json
+# (--sampling-defaults model), and at temperature 1 the 135M model rambles on past its answer.
+GENERATION_CONFIG = {
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+    "temperature": 0.2,
+    "top_p": 0.9,
+}
 
 
 def cache_dir() -> Path:
@@ -39,7 +50,8 @@ def gguf_path() -> Path:
 def default_model_path() -> Path:
     """The converted HF folder, converting it on first use and reusing it afterwards."""
     target = cache_dir() / MODEL_NAME
-    if (target / _COMPLETE_MARKER).is_file():
+    marker = target / _COMPLETE_MARKER
+    if marker.is_file() and json.loads(marker.read_text()).get("format") == CONVERSION_FORMAT:
         return target
     convert_gguf(gguf_path(), target)
     return target
@@ -67,10 +79,13 @@ def convert_gguf(source: Path, target: Path) -> Path:
             config.dtype = "bfloat16"
             with torch.device("meta"):
                 skeleton = AutoModelForCausalLM.from_config(config)
-            config.architectures = [type(skeleton).__name__]  # GGUF metadata lacks it; SGLang needs it
+            config.architectures = [
+                type(skeleton).__name__
+            ]  # GGUF metadata lacks it; SGLang needs it
             config.save_pretrained(work)
             bar.update()
             AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(work)
+            (work / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
             bar.update()
             loaded = load_gguf_checkpoint(
                 str(source), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.bfloat16
@@ -78,7 +93,9 @@ def convert_gguf(source: Path, target: Path) -> Path:
             tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in loaded["tensors"].items()}
             bar.update()
             save_file(tensors, str(work / "model.safetensors"), metadata={"format": "pt"})
-            (work / _COMPLETE_MARKER).write_text(json.dumps({"source": str(source)}))
+            (work / _COMPLETE_MARKER).write_text(
+                json.dumps({"source": str(source), "format": CONVERSION_FORMAT})
+            )
             bar.update()
         if target.exists():
             shutil.rmtree(target)

@@ -17,12 +17,25 @@ def test_embedded_model_is_a_complete_hf_folder(model_path):
     assert str(embed.dtype) == "torch.bfloat16" and tuple(embed.shape) == (49152, 576)
     assert "im_start" in (model_path / "chat_template.jinja").read_text()
     assert (model_path / "tokenizer.json").is_file()
+    generation = json.loads((model_path / "generation_config.json").read_text())
+    assert (generation["temperature"], generation["eos_token_id"]) == (0.2, 2)
 
 
 def test_conversion_is_reused(model_path):
     before = (model_path / "model.safetensors").stat().st_mtime_ns
     assert model.default_model_path() == model_path
     assert (model_path / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_an_older_conversion_is_redone(monkeypatch, tmp_path):
+    monkeypatch.setenv(model.CACHE_ENV, str(tmp_path))
+    stale = tmp_path / model.MODEL_NAME
+    stale.mkdir()
+    (stale / model._COMPLETE_MARKER).write_text('{"source": "x"}')
+    converted = []
+    monkeypatch.setattr(model, "convert_gguf", lambda source, target: converted.append(target))
+    model.default_model_path()
+    assert converted == [stale]
 
 
 def test_cache_dir_is_overridable(monkeypatch, tmp_path):
