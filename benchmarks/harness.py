@@ -16,8 +16,7 @@ from importlib import metadata
 from pathlib import Path
 
 
-from sglang_ext.config import POLICY_ENV
-from sglang_ext.engine_process import EngineServer, free_port, log_tail  # noqa: F401  (re-exported)
+from sglang_ext.engine_process import EngineServer, engine_env, free_port, log_tail  # noqa: F401  (re-exported)
 from sglang_ext.launch import CPU_DEFAULT_MAX_TOTAL_TOKENS
 from sglang_ext.platform import cpu
 
@@ -157,14 +156,6 @@ def engine_flags(max_total_tokens: int | None) -> list[str]:
     if max_total_tokens:
         flags += ["--max-total-tokens", str(max_total_tokens)]
     return flags
-
-
-def engine_env() -> dict[str, str]:
-    """The environment of an engine process: this host's runtime, and no inherited policy."""
-    env = cpu.runtime_env()
-    env.pop(POLICY_ENV, None)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 def require_plugin_entry_point() -> None:

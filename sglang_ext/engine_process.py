@@ -15,6 +15,9 @@ from pathlib import Path
 
 import requests
 
+from sglang_ext.config import POLICY_ENV
+from sglang_ext.platform import cpu
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -24,6 +27,15 @@ def free_port() -> int:
 
 def log_tail(path: Path, chars: int = 4000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+
+def engine_env() -> dict[str, str]:
+    """The environment of an engine process: this host's runtime, and no inherited policy
+    (a server started by sglang_ext.launch sets its own)."""
+    env = cpu.runtime_env()
+    env.pop(POLICY_ENV, None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
 
 
 class EngineServer:

@@ -15,13 +15,11 @@ def model_path() -> Path:
 @pytest.fixture(scope="session")
 def strict_env() -> dict[str, str]:
     """Environment for engine processes: SGLang's idle and busy KV conservation checks raise on a leak."""
-    from sglang_ext.platform import cpu
+    from sglang_ext.engine_process import engine_env
 
-    env = cpu.runtime_env()
-    env.pop("SGLANG_EXT_POLICY", None)
+    env = engine_env()
     env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"] = "1"
     env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] = "1"
-    env["PYTHONUNBUFFERED"] = "1"
     # One torch thread per server: tests run two engines side by side on a 2-core machine, and
     # oversubscribed OpenMP threads slow decoding a hundredfold.
     env["OMP_NUM_THREADS"] = "1"
