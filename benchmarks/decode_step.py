@@ -34,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--prefill-slice-tokens", type=int, default=16384, help="tokens per prefill forward"
     )
+    parser.add_argument(
+        "--skip-prefill-compute",
+        action="store_true",
+        help="fill each point's KV slots without running prefill (see decode_step_child)",
+    )
     return parser
 
 
@@ -54,6 +59,7 @@ def run_policy(args: argparse.Namespace, policy: str, log_path: Path) -> dict:
             "--policy", policy,
             "--result-json", str(result_json),
             "--prefill-slice-tokens", str(args.prefill_slice_tokens),
+            *(["--skip-prefill-compute"] if args.skip_prefill_compute else []),
         ]  # fmt: skip
         if policy != harness.VANILLA and args.policy_config:
             argv += ["--policy-config", args.policy_config]

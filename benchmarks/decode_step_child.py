@@ -11,6 +11,7 @@ KV pool's capacity in tokens (to explain skipped points) and the attention backe
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -26,6 +27,12 @@ def main() -> None:
     parser.add_argument("--policy-config", default=None)
     parser.add_argument("--result-json", type=Path, required=True)
     parser.add_argument("--prefill-slice-tokens", type=int, default=16384)
+    parser.add_argument(
+        "--skip-prefill-compute",
+        action="store_true",
+        help="allocate the prompts' KV slots without running the prefill forward (KV keeps the "
+        "pool's initial contents): decode reads the same bytes, minutes of prefill are saved",
+    )
     parser.add_argument("one_batch_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     one_batch_args = (
@@ -38,7 +45,7 @@ def main() -> None:
 
     from sglang.benchmark import one_batch
 
-    engine = _patch_one_batch(one_batch, args.prefill_slice_tokens)
+    engine = _patch_one_batch(one_batch, args.prefill_slice_tokens, args.skip_prefill_compute)
     with tempfile.TemporaryDirectory() as tmp:
         jsonl = Path(tmp) / "one_batch.jsonl"
         sys.argv = ["one_batch", *one_batch_args, "--result-filename", str(jsonl)]
@@ -63,7 +70,7 @@ def _load_policy_plugin(name: str, config: str | None) -> None:
     plugin.register()
 
 
-def _patch_one_batch(one_batch, slice_tokens: int) -> dict:
+def _patch_one_batch(one_batch, slice_tokens: int, skip_prefill_compute: bool) -> dict:
     """Adapt one_batch to dummy-weight shapes and long contexts; returns a dict that fills with
     the engine's KV capacity and attention backend once the model is loaded."""
     import torch
@@ -94,7 +101,7 @@ def _patch_one_batch(one_batch, slice_tokens: int) -> dict:
             ):
                 tokens += len(reqs[end].origin_input_ids)
                 end += 1
-            ids, _, part = one_batch.extend(reqs[start:end], self.torch_runner)
+            ids, _, part = extend(reqs[start:end], self.torch_runner)
             next_ids.append(ids)
             if batch is None:
                 batch = part
@@ -103,11 +110,31 @@ def _patch_one_batch(one_batch, slice_tokens: int) -> dict:
             start = end
         return torch.cat(next_ids), None, batch
 
+    def extend(reqs, runner):
+        if not skip_prefill_compute:
+            return one_batch.extend(reqs, runner)
+        runner.forward = functools.partial(_no_prefill_forward, runner)
+        try:
+            return one_batch.extend(reqs, runner)
+        finally:
+            del runner.forward  # the class's forward again
+
     one_batch.load_model = load_model_and_record
     one_batch._TorchBenchRunner.extend = extend_in_slices
     # Synthetic input ids need no tokenizer, and the shape folders ship none.
     one_batch.get_tokenizer = lambda *args, **kwargs: None
     return engine
+
+
+def _no_prefill_forward(runner, forward_batch, *args, **kwargs):
+    """A prefill forward's output without its compute: zero logits for each request's last token."""
+    import torch
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+    from sglang.srt.model_executor.model_runner import ModelRunnerOutput
+
+    vocab = runner.model_config.vocab_size
+    logits = torch.zeros(forward_batch.batch_size, vocab, device=runner.device)
+    return ModelRunnerOutput(LogitsProcessorOutput(next_token_logits=logits), can_run_graph=False)
 
 
 if __name__ == "__main__":

@@ -28,20 +28,32 @@ def select_pages(
     max_pages = page_scores.shape[1]
     page_ids = torch.arange(max_pages, device=page_scores.device)
     num_pages = (seq_lens.long()[:, None] + page_size - 1) // page_size
-    exists = page_ids < num_pages
-    recent = exists & (page_ids >= num_pages - num_recent)
-    candidate = exists & ~recent
-    # Non-candidates rank last at -inf. Among equal scores the stable sort keeps the lower index
-    # first, and non-candidates all have higher indices than candidates, so never displace one.
-    ranked = torch.where(candidate, page_scores, float("-inf"))
-    top = ranked.sort(dim=1, descending=True, stable=True).indices[:, : budget - num_recent]
-    keep = recent | (torch.zeros_like(candidate).scatter_(1, top, True) & candidate)
-
-    ascending = torch.where(keep, page_ids, max_pages).sort(dim=1).values[:, :budget]
-    selected = torch.where(ascending < max_pages, ascending, 0).int()
+    candidate = page_ids < num_pages - num_recent  # exists and is not recent
+    # A top-k, not a sort: the score rows span the server's whole context (Tidal's: every token).
+    num_top = min(budget - num_recent, max_pages)
+    top = _rank_keys(page_scores, candidate).topk(num_top, dim=1).indices
+    top = torch.where(candidate.gather(1, top), top, max_pages)
+    recent = num_pages - num_recent + torch.arange(num_recent, device=page_scores.device)
+    recent = torch.where(recent >= 0, recent, max_pages)
+    # Recent pages follow every candidate, so one small sort puts the kept pages in order.
+    kept = torch.cat([top, recent], dim=1).sort(dim=1).values
+    valid = kept < max_pages
+    selected = torch.where(valid, kept, 0).int()
     if selected.shape[1] < budget:
         selected = F.pad(selected, (0, budget - selected.shape[1]))
-    return selected, keep.sum(dim=1, dtype=torch.int32)
+    return selected, valid.sum(dim=1, dtype=torch.int32)
+
+
+def _rank_keys(scores: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordered as (score, then lower index first); ineligible entries rank last.
+
+    The float's bits, flipped for negatives, order like the float; the low 32 bits break ties
+    toward the lower index, which topk alone does not promise."""
+    bits = (scores.float() + 0.0).view(torch.int32).long()  # + 0.0 turns -0.0 into 0.0
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    index = torch.arange(scores.shape[1], device=scores.device)
+    keys = (ordered << 32) | (scores.shape[1] - 1 - index)
+    return torch.where(eligible, keys, torch.iinfo(torch.int64).min)
 
 
 def select_tokens(

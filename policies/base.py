@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 
 class PolicyConfigError(ValueError):
@@ -32,6 +34,9 @@ class DecodeContext:
     req_to_token: Any  # [request slots, max context] int32: cache slot of each request's tokens
     max_batch_size: int  # no decode batch is larger: per-batch state is allocated once this size
     device: Any  # torch.device of the KV cache
+    model_fingerprint: dict[str, Any] | None = None  # policies.calibration.model_fingerprint
+    # Under tensor parallelism: x -> elementwise max of x over the ranks (each holds some heads)
+    max_across_ranks: Callable[[Any], Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +57,10 @@ class KVPolicy:
 
     def validate(self) -> None:
         """Raise PolicyConfigError(field, ...) for an out-of-range parameter."""
+
+    def for_model(self, ctx: DecodeContext) -> KVPolicy:
+        """This policy with parameters left to the model (unset layer lists) filled in."""
+        return self
 
     def decode_fns(self, ctx: DecodeContext) -> list[DecodeFn]:
         """One decode function per layer, built once from the backend's context."""
@@ -89,6 +98,8 @@ def _default(field: dataclasses.Field) -> Any:
 
 def _is_instance(value: Any, expected: Any) -> bool:
     origin = typing.get_origin(expected)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_instance(value, option) for option in typing.get_args(expected))
     if origin in (list, tuple):
         (item_type, *_) = typing.get_args(expected) or (object,)
         return isinstance(value, (list, tuple)) and all(_is_instance(v, item_type) for v in value)
@@ -101,6 +112,10 @@ def _is_instance(value: Any, expected: Any) -> bool:
 
 def _type_name(expected: Any) -> str:
     origin = typing.get_origin(expected)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(option) for option in typing.get_args(expected))
+    if expected is type(None):
+        return "None"
     if origin in (list, tuple):
         (item_type, *_) = typing.get_args(expected) or (object,)
         return f"list[{_type_name(item_type)}]"

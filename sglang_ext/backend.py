@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from sglang_ext.config import active_policy
 from sglang_ext.policies import DecodeContext, KVPolicy
+from sglang_ext.policies.calibration import model_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -30,17 +31,20 @@ class PolicyDispatchMixin:
 
     def __init__(self, model_runner, policy: KVPolicy):
         super().__init__(model_runner)
-        self.kv_policy = policy
+        model_config = model_runner.model_config
         context = DecodeContext(
-            num_layers=model_runner.model_config.num_hidden_layers,
+            num_layers=model_config.num_hidden_layers,
             base_decode=super().forward_decode,
             write_kv=self.write_decode_kv,
             kv_pool=self.token_to_kv_pool,
             req_to_token=self.req_to_token_pool.req_to_token,
             max_batch_size=self.req_to_token_pool.size,
             device=torch.device(model_runner.device),
+            model_fingerprint=model_fingerprint(model_config.hf_config),
+            max_across_ranks=_max_across_attention_ranks(),
         )
-        self._decode_by_layer = policy.decode_fns(context)
+        self.kv_policy = policy.for_model(context)
+        self._decode_by_layer = self.kv_policy.decode_fns(context)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         decode = self._decode_by_layer[layer.layer_id]
@@ -48,6 +52,21 @@ class PolicyDispatchMixin:
 
     def write_decode_kv(self, layer, forward_batch, k, v) -> None:
         raise NotImplementedError
+
+
+def _max_across_attention_ranks() -> Callable | None:
+    """Under attention tensor parallelism, x -> elementwise max of x over the ranks, each of which
+    holds some of the query heads. Through SGLang's group all-gather, which CUDA graphs capture."""
+    from sglang.srt.distributed.parallel_state import get_attn_tp_group
+
+    group = get_attn_tp_group()
+    if group.world_size == 1:
+        return None
+
+    def max_across_ranks(x: torch.Tensor) -> torch.Tensor:
+        return group.all_gather(x.contiguous(), dim=0).view(group.world_size, *x.shape).amax(0)
+
+    return max_across_ranks
 
 
 @functools.cache
@@ -96,7 +115,8 @@ def policy_backend_factory(name: str, stock_factory: Callable) -> Callable:
         if policy is None:
             return stock_factory(model_runner)
         backend = POLICY_BASES[name]()(model_runner, policy)
-        logger.info("sglang_ext: %s decoding with policy %s", type(backend).__name__, policy.describe())
+        described = backend.kv_policy.describe()
+        logger.info("sglang_ext: %s decoding with policy %s", type(backend).__name__, described)
         return backend
 
     create.sglang_ext_stock = stock_factory

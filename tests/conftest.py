@@ -2,8 +2,14 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
-from sglang_ext import model
+# Without CUDA the Triton kernels run under the interpreter, which must be on before any module
+# (sglang, a kernel) first imports triton: here, before the tests are collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from sglang_ext import model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -1,13 +1,10 @@
 """Shared by the kernel tests. Where they run: on CUDA when there is one, else on CPU tensors under Triton's
-interpreter, which must be switched on before triton is first imported (import this module first).
+interpreter (conftest.py switches it on before anything imports triton).
 """
 
 import os
 
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 # Kernel outputs against the fp32 torch references.

@@ -40,6 +40,16 @@ def test_mixed_batch_with_many_ties_matches_rule():
         check(scores.tolist(), seq_lens, budget=6, num_recent=2)
 
 
+def test_signed_and_infinite_scores_rank_by_value():
+    # Tidal scores are logits: negative, and ties among negatives, must order like the floats.
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        scores = torch.randint(-3, 3, (4, 40), generator=gen).float() * 0.75
+        scores[0, 3] = float("-inf")
+        scores[1, 5] = -0.0
+        check(scores.tolist(), [640, 300, 45, 17], budget=7, num_recent=1)
+
+
 def test_ties_go_to_the_lower_page():
     selected, count = check([[1.0] * 10], [160], budget=4, num_recent=1)
     assert selected.tolist() == [[0, 1, 2, 9]] and count.tolist() == [4]

@@ -102,8 +102,8 @@ def test_default_decode_dispatch_is_the_engine_decode_for_every_layer():
     assert build_policy("full").decode_fns(context) == [base, base, base]
 
 
-def test_list_defaults_appear_in_the_schema():
-    assert build_policy("delta").parameter_schema()["delta_layers"] == {
-        "type": "list[int]",
-        "default": [2, 14, 22],
+def test_optional_layer_lists_appear_in_the_schema():
+    assert build_policy("tidal").parameter_schema()["selection_layers"] == {
+        "type": "list[int] | None",
+        "default": None,
     }

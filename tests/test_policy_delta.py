@@ -1,25 +1,49 @@
 """DELTA's parameters, layer roles and decode functions, on a small synthetic KV cache (CPU)."""
 
-from types import SimpleNamespace
+import json
 
 import pytest
 import torch
-
-from sglang_ext.kernels.split_kv_decode import attend_positions_ref
-from sglang_ext.policies import DecodeContext, PolicyConfigError, build_policy
+from policy_cases import DEVICES, Cache
+from sglang_ext.policies import PolicyConfigError, build_policy
+from sglang_ext.policies.calibration import CALIBRATION_DIR_ENV, FORMAT, _load_all
 from sglang_ext.policies.delta import LayerRole
 
 FULL, SELECT, SPARSE = LayerRole.FULL, LayerRole.SELECT, LayerRole.SPARSE
 
 
-def test_defaults_are_the_papers():
-    assert build_policy("delta").describe() == {
+def test_defaults_are_the_papers_for_a_28_layer_model_and_scale_with_depth():
+    policy = build_policy("delta")
+    assert policy.describe() == {
         "name": "delta",
-        "full_layers": [0, 1],
-        "delta_layers": [2, 14, 22],
+        "full_layers": None,
+        "delta_layers": None,
         "budget_pages": 64,
         "recent_pages": 8,
     }
+    assert policy.for_model(Cache(num_layers=28).context()).describe() == {
+        **policy.describe(), "full_layers": [0, 1], "delta_layers": [2, 14, 22]
+    }
+    assert policy.for_model(Cache(num_layers=32).context()).delta_layers == [2, 16, 25]
+
+
+@pytest.fixture
+def calibration_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv(CALIBRATION_DIR_ENV, str(tmp_path))
+    _load_all.cache_clear()
+    yield tmp_path
+    _load_all.cache_clear()
+
+
+def test_a_matching_calibration_file_sets_unset_layers(calibration_dir):
+    ctx = Cache(num_layers=20).context()
+    layers = {"full_layers": [0, 1], "delta_layers": [2, 7, 11]}
+    calibration = {"format": FORMAT, "model": ctx.model_fingerprint, "delta": layers}
+    (calibration_dir / "tiny.json").write_text(json.dumps(calibration))
+    assert build_policy("delta").for_model(ctx).delta_layers == [2, 7, 11]
+    assert build_policy("delta", {"delta_layers": [2, 9]}).for_model(ctx).delta_layers == [2, 9]
+    other_model = Cache(num_layers=20).context(fingerprint={"architecture": "Other"})
+    assert build_policy("delta").for_model(other_model).delta_layers == [2, 10, 16]
 
 
 @pytest.mark.parametrize(
@@ -34,8 +58,8 @@ def test_defaults_are_the_papers():
         ({"delta_layers": []}, "delta_layers", "at least one"),
         ({"delta_layers": [2, 2]}, "delta_layers", "lists a layer twice"),
         ({"delta_layers": [2, 22, 14]}, "delta_layers", "ascending"),
-        ({"full_layers": [0, 1, 14]}, "full_layers", "[14] are Δ-layers too"),
-        ({"full_layers": [0]}, "full_layers", "layers [1] come before the first Δ-layer (2)"),
+        ({"full_layers": [0, 1, 14], "delta_layers": [2, 14]}, "full_layers", "[14] are delta_la"),
+        ({"full_layers": [0], "delta_layers": [2]}, "full_layers", "[1] come before the first"),
         ({"delta_layers": ["2"]}, "delta_layers", "expected list[int]"),
     ],
 )
@@ -47,7 +71,7 @@ def test_bad_parameters_name_the_field(params, field, fragment):
 
 
 def test_roles_of_a_30_layer_model():
-    roles = build_policy("delta").layer_roles(30)
+    roles = build_policy("delta", {"full_layers": [0, 1], "delta_layers": [2, 14, 22]}).layer_roles(30)
     assert roles[:3] == [FULL, FULL, SELECT]
     assert [i for i, role in enumerate(roles) if role is SELECT] == [2, 14, 22]
     assert roles.count(SPARSE) == 25 and roles[29] is SPARSE
@@ -60,7 +84,8 @@ def test_full_layers_may_follow_a_delta_layer():
 
 @pytest.mark.parametrize(
     "params, field",
-    [({}, "delta_layers"), ({"full_layers": [0, 1, 20], "delta_layers": [2]}, "full_layers")],
+    [({"delta_layers": [2, 14, 22]}, "delta_layers"),
+     ({"full_layers": [0, 1, 20], "delta_layers": [2]}, "full_layers")],  # fmt: skip
 )
 def test_layers_beyond_the_models_depth_are_refused_at_bind(params, field):
     policy = build_policy("delta", params)
@@ -68,84 +93,6 @@ def test_layers_beyond_the_models_depth_are_refused_at_bind(params, field):
         policy.decode_fns(Cache(num_layers=20).context())
     assert err.value.field == f"delta.{field}"
     assert "beyond the model's 20 layers" in str(err.value)
-
-
-class Cache:
-    """A KV pool and request table like SGLang's: each request's tokens in scattered slots."""
-
-    Q_HEADS, KV_HEADS, DIM, SLOTS, MAX_BATCH = 4, 2, 64, 2048, 6
-
-    def __init__(self, num_layers=4, seq_lens=(300, 40, 17), device="cpu"):
-        gen = torch.Generator().manual_seed(0)
-        self.num_layers, self.device = num_layers, torch.device(device)
-        # fp16 on CUDA, as served; fp32 on CPU, where the torch references compute
-        dtype = torch.float16 if self.device.type == "cuda" else torch.float32
-        self.tol = {"rtol": 1e-2, "atol": 5e-3} if dtype == torch.float16 else {}
-
-        def randn(*shape):
-            return torch.randn(shape, generator=gen).to(self.device, dtype)
-
-        self.keys = [randn(self.SLOTS, self.KV_HEADS, self.DIM) for _ in range(num_layers)]
-        self.values = [randn(self.SLOTS, self.KV_HEADS, self.DIM) for _ in range(num_layers)]
-        req_to_token = torch.zeros(8, 512, dtype=torch.int32)
-        slots = torch.randperm(self.SLOTS, generator=gen).int()
-        start = 0
-        for row, n in enumerate(seq_lens):
-            req_to_token[row + 1, :n] = slots[start : start + n]  # rows 1.. like a live pool
-            start += n
-        rows, lens = torch.arange(1, len(seq_lens) + 1), torch.tensor(seq_lens)
-        self.req_to_token = req_to_token.to(self.device)
-        self.batch = SimpleNamespace(
-            req_pool_indices=rows.to(self.device),
-            seq_lens=lens.to(self.device),
-            seq_lens_cpu=lens,
-            out_cache_loc=req_to_token[rows, lens - 1].long().to(self.device),  # decoded token's
-        )
-        self.q = randn(len(seq_lens), self.Q_HEADS * self.DIM)
-        self.new_k = randn(len(seq_lens), self.KV_HEADS, self.DIM)
-        self.new_v = randn(len(seq_lens), self.KV_HEADS, self.DIM)
-
-    def context(self, base_decode=None):
-        return DecodeContext(
-            num_layers=self.num_layers,
-            base_decode=base_decode,
-            write_kv=self.write_kv,
-            kv_pool=SimpleNamespace(
-                get_key_buffer=self.keys.__getitem__, get_value_buffer=self.values.__getitem__
-            ),
-            req_to_token=self.req_to_token,
-            max_batch_size=self.MAX_BATCH,
-            device=self.device,
-        )
-
-    def write_kv(self, layer, forward_batch, k, v):
-        self.keys[layer.layer_id][forward_batch.out_cache_loc] = k
-        self.values[layer.layer_id][forward_batch.out_cache_loc] = v
-
-    def layer(self, layer_id):
-        return SimpleNamespace(
-            layer_id=layer_id, tp_q_head_num=self.Q_HEADS, qk_head_dim=self.DIM, scaling=0.125
-        )
-
-    def decode(self, decode_fn, layer_id):
-        return decode_fn(self.q, self.new_k, self.new_v, self.layer(layer_id), self.batch, True)
-
-    def full_attention(self, layer_id):
-        q = self.q.view(-1, self.Q_HEADS, self.DIM)
-        rows = zip(self.batch.req_pool_indices.tolist(), self.batch.seq_lens.tolist())
-        return torch.stack([
-            attend_positions_ref(
-                q[b], self.keys[layer_id], self.values[layer_id],
-                self.req_to_token[row, :n].long(), 0.125,
-            )[0]
-            for b, (row, n) in enumerate(rows)
-        ]).view(len(q), -1).to(q.dtype)  # fmt: skip
-
-
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
-]
 
 
 def delta_decode_fns(cache, **params):
@@ -175,7 +122,7 @@ def test_a_small_budget_selects_budget_pages_into_fixed_state_rows(device, caplo
     assert decoder.selected.shape == (Cache.MAX_BATCH, 4) and decoder.selected.dtype == torch.int32
     assert decoder.num_selected.shape == (Cache.MAX_BATCH,)
 
-    with caplog.at_level("INFO", logger="sglang_ext.policies.delta"):
+    with caplog.at_level("INFO", logger="sglang_ext.policies.selection"):
         cache.decode(fns[2], 2)
         cache.decode(fns[2], 2)
     assert decoder.num_selected.tolist() == [4, 3, 2, 0, 0, 0]  # rows past the batch untouched

@@ -1,5 +1,7 @@
-"""The real SGLang engine on CPU with SmolLM2 serving ``--policy delta``, beside ``--policy full``."""
+"""The real SGLang engine on CPU with SmolLM2 serving ``--policy delta`` and ``--policy tidal``,
+beside ``--policy full``."""
 
+import ast
 import json
 import re
 import sys
@@ -23,9 +25,12 @@ LONG_PROMPT = " ".join(
 COMMON = ["--max-total-tokens", "16384", "--log-level", "info"]
 CONFIGS = {
     "full": None,
-    "delta": {"budget_pages": 64, "recent_pages": 8},  # covers every prompt here: exact
+    "delta": None,  # the defaults (64 pages, 1024 tokens) cover every prompt here: exact
     "delta_small": {"budget_pages": 4, "recent_pages": 1},
+    "tidal": None,  # 1024 tokens
+    "tidal_small": {"budget_tokens": 64},
 }
+SMALL_BUDGET = {"delta": ("pages", 4, 16), "tidal": ("tokens", 64, 1)}  # unit, budget, unit size
 
 
 @pytest.fixture(scope="module")
@@ -49,29 +54,40 @@ def servers(model_path, strict_env, tmp_path_factory):
             server.stop()
 
 
-def test_delta_backend_serves_with_the_configured_policy(servers):
-    log = servers["delta_small"].log()
-    assert "PolicyTorchNativeAttnBackend decoding with policy {'name': 'delta'" in log
-    assert "'delta_layers': [2, 14, 22], 'budget_pages': 4, 'recent_pages': 1}" in log
+@pytest.mark.parametrize("policy", ["delta", "tidal"])
+def test_the_backend_serves_with_the_configured_policy_and_model_layers(servers, policy):
+    log = servers[f"{policy}_small"].log()
+    described = re.search(r"PolicyTorchNativeAttnBackend decoding with policy (\{.*\})", log)
+    assert described, "the policy backend was not used"
+    params = ast.literal_eval(described[1])
+    assert params["name"] == policy
+    unit, budget, _ = SMALL_BUDGET[policy]
+    assert params[f"budget_{unit}"] == budget
+    assert params["full_layers"][:2] == [0, 1]  # resolved for SmolLM2's 30 layers
+    selecting = params["delta_layers" if policy == "delta" else "selection_layers"]
+    assert selecting[0] == 2 and max(selecting) < 30
 
 
-def test_a_budget_covering_the_context_gives_full_attentions_greedy_tokens(servers):
-    ours = servers["delta"].generate(PROMPTS, max_new_tokens=32)
+@pytest.mark.parametrize("policy", ["delta", "tidal"])
+def test_a_budget_covering_the_context_gives_full_attentions_greedy_tokens(servers, policy):
+    ours = servers[policy].generate(PROMPTS, max_new_tokens=32)
     theirs = servers["full"].generate(PROMPTS, max_new_tokens=32)
     assert [o["output_ids"] for o in ours] == [t["output_ids"] for t in theirs]
     assert all(len(o["output_ids"]) > 8 for o in ours)
-    assert "first selected fewer pages" not in servers["delta"].log()
+    assert "first selected fewer" not in servers[policy].log()
 
 
-def test_a_small_budget_selects_the_budget_and_still_answers(servers):
-    server = servers["delta_small"]
+@pytest.mark.parametrize("policy", ["delta", "tidal"])
+def test_a_small_budget_selects_the_budget_and_still_answers(servers, policy):
+    server = servers[f"{policy}_small"]
+    unit, budget, unit_size = SMALL_BUDGET[policy]
     out = server.generate(LONG_PROMPT, max_new_tokens=16)
-    assert out["meta_info"]["prompt_tokens"] > 4 * 16 * 4
+    assert out["meta_info"]["prompt_tokens"] > 4 * budget * unit_size
     assert len(out["output_ids"]) > 0 and out["text"].strip()
-    match = re.search(r"delta layer 2 first selected fewer pages than a request has: "
+    match = re.search(rf"{policy} layer 2 first selected fewer {unit} than a request has: "
                       r"\[(\d+)\] of \[(\d+)\]", server.log())  # fmt: skip
     assert match, "no selection was logged"
-    assert int(match[1]) == 4 < int(match[2])
+    assert int(match[1]) == budget < int(match[2])
 
 
 def test_no_kv_leak_after_the_requests(servers):

@@ -1,0 +1,202 @@
+"""GPU microbenchmark of the decode-attention kernels of DELTA and TidalDecode against SGLang's own
+triton decode kernel on the same inputs, and against the bandwidth floor.
+
+    python -m benchmarks.kernel_bench --shape qwen1.5b --batch 1,16,32,64 --context 4096,16384,32768
+
+Per (batch, context), one layer's time of: SGLang's decode kernel (the baseline, `vanilla`); our
+split-KV kernel over the whole cache (`full`); a selection layer (attention + scores + selection)
+of DELTA and of Tidal; a sparse layer of each. From them, the attention time of one decode step of
+the whole model under each policy (layer roles from the paper defaults for its depth). The floor of
+a kernel is the K/V bytes it must read over a measured device-to-device copy bandwidth.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from sglang_ext.policies import DecodeContext, build_policy
+from sglang_ext.policies.selection import LayerRole
+
+from benchmarks import harness
+from benchmarks.harness import Row, RunInfo
+
+BENCH = "kernel_bench"
+PAGE = 16
+
+
+def build_parser():
+    parser = harness.common_parser(BENCH, __doc__)
+    parser.add_argument("--batch", type=harness.int_list, default=[1, 16, 32, 64])
+    parser.add_argument("--context", type=harness.int_list, default=[4096, 16384, 32768])
+    parser.add_argument("--budget-tokens", type=int, default=1024, help="DELTA K·16 and Tidal k")
+    parser.add_argument("--kv-splits", type=int, default=8, help="of SGLang's kernel and ours")
+    return parser
+
+
+def time_ms(fn, reps: int = 50) -> float:
+    """Median of CUDA-event timings after warm-up (the kernels compile on the first call)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth_gbs() -> float:
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), reps=20)
+    return 2 * src.numel() / (ms * 1e-3) / 1e9  # read + write
+
+
+class Inputs:
+    """One layer's decode inputs: a KV pool with each request's tokens in contiguous slots."""
+
+    def __init__(self, cfg: dict, batch: int, context: int):
+        q_heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        dim = cfg["hidden_size"] // q_heads
+        self.scale = dim**-0.5
+        dev, dtype = "cuda", torch.bfloat16
+        slots = batch * context
+        self.q = torch.randn(batch, q_heads, dim, device=dev, dtype=dtype)
+        self.k = torch.randn(slots + 1, kv_heads, dim, device=dev, dtype=dtype)
+        self.v = torch.randn(slots + 1, kv_heads, dim, device=dev, dtype=dtype)
+        self.req_to_token = (
+            torch.arange(slots, device=dev, dtype=torch.int32).view(batch, context) + 1
+        )
+        self.rows = torch.arange(batch, device=dev)
+        self.seq_lens = torch.full((batch,), context, device=dev, dtype=torch.int32)
+        self.kv_bytes_per_token = 2 * kv_heads * dim * 2  # K and V, bf16
+        self.batch, self.context = batch, context
+
+    def cache(self):
+        return (self.q, self.k, self.v, self.req_to_token, self.rows, self.seq_lens)
+
+    def sglang_decode(self, kv_splits: int):
+        from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+
+        batch, heads, dim = self.q.shape
+        indptr = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * self.context
+        indices = self.req_to_token.flatten().long()
+        out = torch.empty_like(self.q)
+        logits = torch.empty(batch, heads, kv_splits, dim, device="cuda", dtype=torch.float32)
+        lse = torch.empty(batch, heads, kv_splits, device="cuda", dtype=torch.float32)
+        splits = torch.full((batch,), kv_splits, device="cuda", dtype=torch.int32)
+
+        def run():
+            decode_attention_fwd(
+                self.q, self.k, self.v, out, indptr, indices, logits, lse,
+                splits, kv_splits, self.scale, 1.0, 1.0,
+            )  # fmt: skip
+
+        return run
+
+
+def policy_decoders(name: str, inputs: Inputs, budget_tokens: int, num_layers: int):
+    """(roles, selection-layer call, sparse-layer call) of a policy, through its real decoder."""
+    params = {"budget_pages": budget_tokens // PAGE, "recent_pages": budget_tokens // PAGE // 8}
+    if name == "tidal":
+        params = {"budget_tokens": budget_tokens}
+    k, v = inputs.k, inputs.v
+    ctx = DecodeContext(
+        num_layers=num_layers, base_decode=None, write_kv=None,
+        kv_pool=SimpleNamespace(get_key_buffer=lambda _: k, get_value_buffer=lambda _: v),
+        req_to_token=inputs.req_to_token, max_batch_size=inputs.batch, device=torch.device("cuda"),
+    )  # fmt: skip
+    policy = build_policy(name, params).for_model(ctx)
+    fns = policy.decode_fns(ctx)
+    roles = policy.layer_roles(num_layers)
+    _, q_heads, dim = inputs.q.shape
+    layer = SimpleNamespace(
+        layer_id=0, tp_q_head_num=q_heads, qk_head_dim=dim, scaling=inputs.scale
+    )
+    batch = SimpleNamespace(
+        req_pool_indices=inputs.rows, seq_lens=inputs.seq_lens, seq_lens_cpu=None
+    )
+    select_fn = fns[roles.index(LayerRole.SELECT)]
+    sparse_fn = fns[roles.index(LayerRole.SPARSE)]
+    q = inputs.q.flatten(1)
+    return (
+        roles,
+        lambda: select_fn(q, None, None, layer, batch, False),
+        lambda: sparse_fn(q, None, None, layer, batch, False),
+    )
+
+
+def measure_point(cfg, batch, context, args, bandwidth, info) -> list[Row]:
+    from sglang_ext.kernels.split_kv_decode import split_kv_decode
+
+    inputs = Inputs(cfg, batch, context)
+    num_layers = cfg["num_hidden_layers"]
+    full_floor_ms = batch * context * inputs.kv_bytes_per_token / bandwidth / 1e6
+    sparse_floor_ms = batch * min(context, args.budget_tokens) * inputs.kv_bytes_per_token
+    sparse_floor_ms /= bandwidth * 1e6
+    per_layer = {
+        "vanilla": time_ms(inputs.sglang_decode(args.kv_splits)),
+        "full": time_ms(
+            lambda: split_kv_decode(*inputs.cache(), inputs.scale, num_kv_splits=args.kv_splits)
+        ),
+    }
+    point = dict(bench=BENCH, model_shape=args.shape, batch=batch, context=context)
+    rows = [
+        info.row(**point, policy=p, metric="layer_attention_ms", value=ms)
+        for p, ms in per_layer.items()
+    ]
+    step = {p: ms * num_layers for p, ms in per_layer.items()}
+    for name in ("delta", "tidal"):
+        roles, select, sparse = policy_decoders(name, inputs, args.budget_tokens, num_layers)
+        select_ms, sparse_ms = time_ms(select), time_ms(sparse)
+        rows += [
+            info.row(**point, policy=name, metric="select_layer_ms", value=select_ms),
+            info.row(**point, policy=name, metric="sparse_layer_ms", value=sparse_ms),
+            info.row(**point, policy=name, metric="sparse_layer_floor_ratio",
+                     value=sparse_ms / sparse_floor_ms),
+        ]  # fmt: skip
+        count = {role: roles.count(role) for role in LayerRole}
+        step[name] = (
+            count[LayerRole.FULL] * per_layer["vanilla"]
+            + count[LayerRole.SELECT] * select_ms
+            + count[LayerRole.SPARSE] * sparse_ms
+        )
+    rows += [
+        info.row(**point, policy="vanilla", metric="layer_floor_ratio",
+                 value=per_layer["vanilla"] / full_floor_ms),
+        info.row(**point, policy="full", metric="layer_floor_ratio",
+                 value=per_layer["full"] / full_floor_ms),
+    ]  # fmt: skip
+    rows += [
+        info.row(**point, policy=p, metric="step_attention_ms", value=ms) for p, ms in step.items()
+    ]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    cfg = harness.shape_config(args.shape)
+    info = RunInfo.detect()
+    bandwidth = copy_bandwidth_gbs()
+    print(
+        f"{BENCH}: {args.shape} on {info.device}, copy bandwidth {bandwidth:.0f} GB/s", flush=True
+    )
+    rows: list[Row] = []
+    for batch in args.batch:
+        for context in args.context:
+            rows += measure_point(cfg, batch, context, args, bandwidth, info)
+            torch.cuda.empty_cache()
+            print(f"{BENCH}: batch {batch} context {context} done", flush=True)
+    rows.append(info.row(bench=BENCH, policy="device", model_shape=args.shape, batch=0, context=0,
+                         metric="copy_bandwidth_gbs", value=bandwidth))  # fmt: skip
+    harness.add_baseline_ratios(rows)
+    harness.save_results(BENCH, args.shape, rows, info, args.out_dir, args.results_md)
+
+
+if __name__ == "__main__":
+    main()

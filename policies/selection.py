@@ -1,0 +1,214 @@
+"""What DELTA and TidalDecode share: selection layers that attend to the whole cache and choose what
+the sparse layers after them read, made anew at every decode step.
+
+A policy lists its full-attention layers and its selection layers; every other layer is sparse and
+reads the latest selection. Layer lists left unset come from the model's calibration file
+(``python -m sglang_ext.calibrate``), else from the paper's defaults scaled to the model's depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+from sglang_ext.policies.base import DecodeContext, DecodeFn, KVPolicy, PolicyConfigError
+from sglang_ext.policies.calibration import find_calibration
+
+logger = logging.getLogger(__name__)
+
+
+class LayerRole(str, enum.Enum):
+    FULL = "full"  # the engine's full attention
+    SELECT = "select"  # full attention, then a new selection
+    SPARSE = "sparse"  # attention over the latest selection only
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """How a policy selects: units of ``page_size`` tokens, ``budget`` of them with the last
+    ``num_recent`` always kept; ``attend_and_score`` runs a selection layer's full attention and
+    returns (out, token_scores, page_scores or None); ``choose(token_scores, page_scores,
+    seq_lens)`` returns (selected [batch, budget] int32, num_selected [batch] int32)."""
+
+    unit: str  # "pages" or "tokens", for logs
+    page_size: int
+    budget: int
+    attend_and_score: Callable[..., tuple]
+    choose: Callable[..., tuple]
+
+
+class SelectionPolicy(KVPolicy):
+    """Base of a policy made of full, selection and sparse layers. A subclass declares the fields
+    ``full_layers`` and ``<selection_field>`` (list[int] | None) and builds its ``Selection``."""
+
+    selection_field: ClassVar[str]
+
+    def paper_layers(self, num_layers: int) -> tuple[list[int], list[int]]:
+        """(full layers, selection layers) from the paper, for a model without calibration."""
+        raise NotImplementedError
+
+    def selection(self, ctx: DecodeContext) -> Selection:
+        raise NotImplementedError
+
+    def selecting_layers(self) -> list[int] | None:
+        return getattr(self, self.selection_field)
+
+    def validate_layers(self) -> None:
+        selecting = self.selecting_layers()
+        for field, layers in (("full_layers", self.full_layers), (self.selection_field, selecting)):
+            if layers is None:
+                continue
+            if any(layer < 0 for layer in layers):
+                self._error(field, f"layer ids must be >= 0, got {list(layers)}")
+            if len(set(layers)) != len(layers):
+                self._error(field, f"lists a layer twice: {list(layers)}")
+        if selecting is None:
+            return
+        if not selecting:
+            self._error(self.selection_field, "needs at least one selection layer")
+        if list(selecting) != sorted(selecting):
+            self._error(self.selection_field, f"must be in ascending order, got {list(selecting)}")
+        if self.full_layers is None:
+            return
+        both = sorted(set(self.full_layers) & set(selecting))
+        if both:
+            self._error("full_layers", f"layers {both} are {self.selection_field} too")
+        unselected = sorted(set(range(selecting[0])) - set(self.full_layers))
+        if unselected:
+            self._error(
+                "full_layers",
+                f"layers {unselected} come before the first selection layer ({selecting[0]}), "
+                "so nothing is selected for them yet: list them here",
+            )
+
+    def for_model(self, ctx: DecodeContext) -> SelectionPolicy:
+        """This policy with unset layer lists filled in for the served model."""
+        if self.full_layers is not None and self.selecting_layers() is not None:
+            return self
+        found = find_calibration(ctx.model_fingerprint) if ctx.model_fingerprint else None
+        if found is not None and self.name in found:
+            layers = found[self.name]
+            full, selecting = layers["full_layers"], layers[self.selection_field]
+            logger.info("sglang_ext: %s layers from calibration %s", self.name, found["path"])
+        else:
+            full, selecting = self.paper_layers(ctx.num_layers)
+        return dataclasses.replace(
+            self,
+            full_layers=full if self.full_layers is None else self.full_layers,
+            **{self.selection_field: self.selecting_layers() or selecting},
+        )
+
+    def layer_roles(self, num_layers: int) -> list[LayerRole]:
+        """The role of each of the model's layers; a layer id past its depth is an error."""
+        if self.full_layers is None or self.selecting_layers() is None:
+            raise ValueError("layer_roles needs layer lists: call for_model first")
+        for field in ("full_layers", self.selection_field):
+            beyond = [layer for layer in getattr(self, field) if layer >= num_layers]
+            if beyond:
+                self._error(field, f"layers {beyond} are beyond the model's {num_layers} layers")
+        roles = [LayerRole.SPARSE] * num_layers
+        for layer in self.full_layers:
+            roles[layer] = LayerRole.FULL
+        for layer in self.selecting_layers():
+            roles[layer] = LayerRole.SELECT
+        return roles
+
+    def decode_fns(self, ctx: DecodeContext) -> list[DecodeFn]:
+        policy = self.for_model(ctx)
+        decoder = SelectionDecoder(policy.name, policy.selection(ctx), ctx)
+        by_role = {
+            LayerRole.FULL: ctx.base_decode,
+            LayerRole.SELECT: decoder.select_decode,
+            LayerRole.SPARSE: decoder.sparse_decode,
+        }
+        return [by_role[role] for role in policy.layer_roles(ctx.num_layers)]
+
+    def _error(self, field: str, message: str):
+        raise PolicyConfigError(f"{self.name}.{field}", message)
+
+
+def scaled_layers(layers: list[int], from_depth: int, to_depth: int) -> list[int]:
+    """Layer ids chosen for a model of ``from_depth`` layers, placed at the same relative depth."""
+    return sorted({min(to_depth - 1, round(layer * to_depth / from_depth)) for layer in layers})
+
+
+class SelectionDecoder:
+    """Decode of selection and sparse layers for one attention backend, and the selection they
+    share. The selection lives in buffers sized for the largest batch, allocated once; a batch uses
+    their first rows. Decode reads nothing back to the host (but for one log line per server), so
+    a CUDA graph can capture it."""
+
+    def __init__(self, policy_name: str, selection: Selection, ctx: DecodeContext):
+        self.policy_name, self.rule, self.ctx = policy_name, selection, ctx
+        self.selected = torch.zeros(
+            ctx.max_batch_size, selection.budget, dtype=torch.int32, device=ctx.device
+        )
+        self.num_selected = torch.zeros(ctx.max_batch_size, dtype=torch.int32, device=ctx.device)
+        self._first_trim_unlogged = True
+
+    def select_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        q, cache = self._begin(q, k, v, layer, forward_batch, save_kv_cache)
+        out, token_scores, page_scores = self.rule.attend_and_score(*cache, sm_scale=layer.scaling)
+        if self.ctx.max_across_ranks is not None:
+            # Each rank scored its own heads; the max over all heads makes every rank select alike.
+            token_scores, page_scores = self.ctx.max_across_ranks(token_scores), None
+        selected, num_selected = self.rule.choose(token_scores, page_scores, forward_batch.seq_lens)
+        batch = q.shape[0]
+        self.selected[:batch].copy_(selected)
+        self.num_selected[:batch].copy_(num_selected)
+        if self._first_trim_unlogged and self._trims(forward_batch):
+            self._log_selection(layer.layer_id, forward_batch.seq_lens, num_selected)
+        return out.view(batch, -1)
+
+    def sparse_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        from sglang_ext.kernels import sparse_decode as sd
+
+        q, cache = self._begin(q, k, v, layer, forward_batch, save_kv_cache)
+        batch = q.shape[0]
+        attend = sd.sparse_decode_attention if q.is_cuda else sd.sparse_decode_attention_ref
+        out = attend(
+            *cache,
+            self.selected[:batch],
+            self.num_selected[:batch],
+            sm_scale=layer.scaling,
+            page_size=self.rule.page_size,
+        )
+        return out.view(batch, -1)
+
+    def _begin(self, q, k, v, layer, forward_batch, save_kv_cache):
+        """Store the new token's K/V; return q as [batch, heads, dim] and the cache arguments."""
+        if save_kv_cache and k is not None and v is not None:
+            self.ctx.write_kv(layer, forward_batch, k, v)
+        q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        pool = self.ctx.kv_pool
+        cache = (
+            q,
+            pool.get_key_buffer(layer.layer_id),
+            pool.get_value_buffer(layer.layer_id),
+            self.ctx.req_to_token,
+            forward_batch.req_pool_indices,
+            forward_batch.seq_lens,
+        )
+        return q, cache
+
+    def _trims(self, forward_batch) -> bool:
+        """Whether a request of the batch has more units than the budget (judged on the host copy
+        of seq_lens: no device sync)."""
+        seq_lens = forward_batch.seq_lens_cpu
+        if seq_lens is None or int(seq_lens.max()) <= self.rule.budget * self.rule.page_size:
+            return False
+        return not (self.ctx.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+    def _log_selection(self, layer_id, seq_lens, num_selected):
+        # Once per server, as evidence that selection takes effect; its read-back syncs once.
+        self._first_trim_unlogged = False
+        size = self.rule.page_size
+        available = (seq_lens + size - 1) // size
+        logger.info(
+            "sglang_ext: %s layer %d first selected fewer %s than a request has: %s of %s",
+            self.policy_name, layer_id, self.rule.unit, num_selected.tolist(), available.tolist(),
+        )  # fmt: skip

@@ -1,0 +1,73 @@
+"""``tidal``: TidalDecode (arXiv 2410.05076), position-persistent sparse attention.
+
+Layers in ``full_layers`` attend to the whole cache. A token-selection layer (by default layer 2
+and one re-selection layer mid-depth) attends to the whole cache too and keeps the
+``budget_tokens`` tokens with the highest q·k (max over query heads), always including the last
+``recent_tokens`` (the token being decoded); the other layers after it attend only to those tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from sglang_ext.kernels.page_select import select_tokens
+from sglang_ext.policies.base import DecodeContext
+from sglang_ext.policies.registry import register_policy
+from sglang_ext.policies.selection import Selection, SelectionPolicy, scaled_layers
+
+PAPER_DEPTH, PAPER_RESELECTION_LAYER = 32, 13  # the paper's best for Llama-3-8B (Sec. 4.4)
+
+
+@register_policy
+@dataclasses.dataclass(frozen=True)
+class TidalPolicy(SelectionPolicy):
+    name = "tidal"
+    selection_field = "selection_layers"
+    full_layers: list[int] | None = None  # unset: calibration file, else [0, 1]
+    selection_layers: list[int] | None = None  # unset: calibration file, else [2, 13 of 32]
+    budget_tokens: int = 1024
+    recent_tokens: int = 1
+
+    def validate(self) -> None:
+        if self.budget_tokens < 1:
+            self._error("budget_tokens", f"must be >= 1, got {self.budget_tokens}")
+        if not 0 <= self.recent_tokens <= self.budget_tokens:
+            self._error(
+                "recent_tokens",
+                f"must be in [0, budget_tokens={self.budget_tokens}], got {self.recent_tokens}",
+            )
+        self.validate_layers()
+
+    def paper_layers(self, num_layers: int) -> tuple[list[int], list[int]]:
+        reselect = scaled_layers([PAPER_RESELECTION_LAYER], PAPER_DEPTH, num_layers)
+        return [0, 1], sorted({2, *reselect})
+
+    def selection(self, ctx: DecodeContext) -> Selection:
+        attend_and_score = _selection_attention(ctx.device)
+
+        def choose(token_scores, page_scores, seq_lens):
+            return select_tokens(token_scores, seq_lens, self.budget_tokens, self.recent_tokens)
+
+        return Selection("tokens", 1, self.budget_tokens, attend_and_score, choose)
+
+
+def _selection_attention(device):
+    from sglang_ext.kernels import selection_attention as sa
+
+    if torch.device(device).type == "cuda":
+
+        def triton(*cache, sm_scale):
+            return (*sa.tidal_selection_attention(*cache, sm_scale=sm_scale), None)
+
+        return triton
+
+    def reference(*cache, sm_scale):
+        q, k_buffer, _, req_to_token, req_pool_indices, seq_lens = cache
+        out, _ = sa.selection_attention_ref(*cache, sm_scale=sm_scale)
+        scores = sa.tidal_token_scores_ref(
+            q, k_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale
+        )
+        return out, scores, None
+
+    return reference

@@ -1,0 +1,86 @@
+"""A small synthetic KV cache like SGLang's, for the decode functions of selection policies."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang_ext.kernels.split_kv_decode import attend_positions_ref
+from sglang_ext.policies import DecodeContext
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
+]
+
+
+class Cache:
+    """A KV pool and request table like SGLang's: each request's tokens in scattered slots."""
+
+    Q_HEADS, KV_HEADS, DIM, SLOTS, MAX_BATCH = 4, 2, 64, 2048, 6
+
+    def __init__(self, num_layers=4, seq_lens=(300, 40, 17), device="cpu"):
+        gen = torch.Generator().manual_seed(0)
+        self.num_layers, self.device = num_layers, torch.device(device)
+        # fp16 on CUDA, as served; fp32 on CPU, where the torch references compute
+        dtype = torch.float16 if self.device.type == "cuda" else torch.float32
+        self.tol = {"rtol": 1e-2, "atol": 5e-3} if dtype == torch.float16 else {}
+
+        def randn(*shape):
+            return torch.randn(shape, generator=gen).to(self.device, dtype)
+
+        self.keys = [randn(self.SLOTS, self.KV_HEADS, self.DIM) for _ in range(num_layers)]
+        self.values = [randn(self.SLOTS, self.KV_HEADS, self.DIM) for _ in range(num_layers)]
+        req_to_token = torch.zeros(8, 512, dtype=torch.int32)
+        slots = torch.randperm(self.SLOTS, generator=gen).int()
+        start = 0
+        for row, n in enumerate(seq_lens):
+            req_to_token[row + 1, :n] = slots[start : start + n]  # rows 1.. like a live pool
+            start += n
+        rows, lens = torch.arange(1, len(seq_lens) + 1), torch.tensor(seq_lens)
+        self.req_to_token = req_to_token.to(self.device)
+        self.batch = SimpleNamespace(
+            req_pool_indices=rows.to(self.device),
+            seq_lens=lens.to(self.device),
+            seq_lens_cpu=lens,
+            out_cache_loc=req_to_token[rows, lens - 1].long().to(self.device),  # decoded token's
+        )
+        self.q = randn(len(seq_lens), self.Q_HEADS * self.DIM)
+        self.new_k = randn(len(seq_lens), self.KV_HEADS, self.DIM)
+        self.new_v = randn(len(seq_lens), self.KV_HEADS, self.DIM)
+
+    def context(self, base_decode=None, fingerprint=None):
+        return DecodeContext(
+            num_layers=self.num_layers,
+            base_decode=base_decode,
+            write_kv=self.write_kv,
+            kv_pool=SimpleNamespace(
+                get_key_buffer=self.keys.__getitem__, get_value_buffer=self.values.__getitem__
+            ),
+            req_to_token=self.req_to_token,
+            max_batch_size=self.MAX_BATCH,
+            device=self.device,
+            model_fingerprint=fingerprint or {"architecture": "Tiny", "layers": self.num_layers},
+        )
+
+    def write_kv(self, layer, forward_batch, k, v):
+        self.keys[layer.layer_id][forward_batch.out_cache_loc] = k
+        self.values[layer.layer_id][forward_batch.out_cache_loc] = v
+
+    def layer(self, layer_id):
+        return SimpleNamespace(
+            layer_id=layer_id, tp_q_head_num=self.Q_HEADS, qk_head_dim=self.DIM, scaling=0.125
+        )
+
+    def decode(self, decode_fn, layer_id):
+        return decode_fn(self.q, self.new_k, self.new_v, self.layer(layer_id), self.batch, True)
+
+    def full_attention(self, layer_id):
+        q = self.q.view(-1, self.Q_HEADS, self.DIM)
+        rows = zip(self.batch.req_pool_indices.tolist(), self.batch.seq_lens.tolist())
+        return torch.stack([
+            attend_positions_ref(
+                q[b], self.keys[layer_id], self.values[layer_id],
+                self.req_to_token[row, :n].long(), 0.125,
+            )[0]
+            for b, (row, n) in enumerate(rows)
+        ]).view(len(q), -1).to(q.dtype)  # fmt: skip

@@ -1,0 +1,79 @@
+"""TidalDecode's parameters, layer defaults and decode functions, on a small synthetic KV cache."""
+
+import pytest
+import torch
+from policy_cases import DEVICES, Cache
+from sglang_ext.kernels.split_kv_decode import attend_positions_ref
+from sglang_ext.policies import PolicyConfigError, build_policy
+from sglang_ext.policies.selection import LayerRole
+
+
+def test_defaults_reselect_at_the_papers_relative_depth():
+    policy = build_policy("tidal")
+    assert (policy.budget_tokens, policy.recent_tokens) == (1024, 1)
+    assert policy.for_model(Cache(num_layers=32).context()).selection_layers == [2, 13]
+    resolved = policy.for_model(Cache(num_layers=28).context())
+    assert (resolved.full_layers, resolved.selection_layers) == ([0, 1], [2, 11])
+    roles = resolved.layer_roles(28)
+    assert [i for i, role in enumerate(roles) if role is LayerRole.SELECT] == [2, 11]
+    assert roles.count(LayerRole.SPARSE) == 24
+
+
+@pytest.mark.parametrize(
+    "params, field, fragment",
+    [
+        ({"budget_tokens": 0}, "budget_tokens", "must be >= 1"),
+        ({"budget_tokens": 8, "recent_tokens": 9}, "recent_tokens", "[0, budget_tokens=8]"),
+        ({"selection_layers": []}, "selection_layers", "at least one"),
+        ({"selection_layers": [13, 2]}, "selection_layers", "ascending"),
+        ({"full_layers": [0], "selection_layers": [2]}, "full_layers", "[1] come before"),
+        ({"budget_tokens": 1.5}, "budget_tokens", "expected int"),
+    ],
+)
+def test_bad_parameters_name_the_field(params, field, fragment):
+    with pytest.raises(PolicyConfigError) as err:
+        build_policy("tidal", params)
+    assert err.value.field == f"tidal.{field}"
+    assert fragment in str(err.value)
+
+
+def tidal_decode_fns(cache, **params):
+    policy = build_policy("tidal", {"full_layers": [0, 1], "selection_layers": [2], **params})
+    fns = policy.decode_fns(cache.context(base_decode="engine decode"))
+    return fns, fns[2].__self__
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_budget_covering_the_context_gives_full_attention(device):
+    cache = Cache(device=device)
+    fns, decoder = tidal_decode_fns(cache, budget_tokens=300)
+    for layer_id in (2, 3):
+        torch.testing.assert_close(
+            cache.decode(fns[layer_id], layer_id), cache.full_attention(layer_id), **cache.tol
+        )
+    assert decoder.num_selected[:3].tolist() == [300, 40, 17]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_small_budget_keeps_the_top_tokens_by_qk_and_the_last(device):
+    cache = Cache(device=device)
+    fns, decoder = tidal_decode_fns(cache, budget_tokens=24)
+    cache.decode(fns[2], 2)  # writes the new token's K/V, then selects
+    assert decoder.num_selected[:3].tolist() == [24, 24, 17]
+
+    q = cache.q.view(-1, Cache.Q_HEADS, Cache.DIM).float()
+    row, seq_len = cache.batch.req_pool_indices[0], int(cache.batch.seq_lens[0])
+    slots = cache.req_to_token[row, :seq_len].long()
+    kv_head_of = torch.arange(Cache.Q_HEADS) // (Cache.Q_HEADS // Cache.KV_HEADS)
+    keys = cache.keys[2][slots][:, kv_head_of.to(cache.device)].float()  # [tokens, q_heads, dim]
+    qk = torch.einsum("hd,thd->ht", q[0], keys).amax(0)
+    expected = set(qk[:-1].topk(23).indices.tolist()) | {seq_len - 1}
+    chosen = decoder.selected[0].tolist()
+    assert set(chosen) == expected and chosen == sorted(chosen)
+
+    sparse = cache.decode(fns[3], 3)
+    positions = slots[torch.tensor(chosen, device=cache.device)]
+    q3 = cache.q.view(-1, Cache.Q_HEADS, Cache.DIM)[0]
+    attended, _ = attend_positions_ref(q3, cache.keys[3], cache.values[3], positions, 0.125)
+    torch.testing.assert_close(sparse[0], attended.flatten().to(sparse.dtype), **cache.tol)
+    torch.testing.assert_close(sparse[2], cache.full_attention(3)[2], **cache.tol)  # 17 <= 24
