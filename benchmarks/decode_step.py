@@ -47,7 +47,7 @@ def run_policy(args: argparse.Namespace, policy: str, log_path: Path) -> dict:
     one_batch_flags = [
         "--model-path", str(harness.shape_path(args.shape)),
         "--load-format", "dummy",
-        *harness.engine_flags(args.max_total_tokens),
+        *harness.engine_flags(args.max_total_tokens, args.tp),
         "--batch-size", *map(str, args.batch),
         "--input-len", *map(str, args.context),
         "--output-len", str(args.output_len),
@@ -112,7 +112,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{BENCH}: {policy} decoded with {result['attention_backend']}", flush=True)
         rows += policy_rows(args, info, policy, result)
     harness.add_baseline_ratios(rows)
-    json_path = harness.save_results(BENCH, args.shape, rows, info, args.out_dir, args.results_md)
+    json_path = harness.save_results(
+        BENCH, harness.run_label(args), rows, info, args.out_dir, args.results_md
+    )
     print(f"plot: {plot.plot_decode_step(rows, json_path.with_suffix('.png'))}")
 
 

@@ -58,7 +58,7 @@ def server_argv(args: argparse.Namespace, policy: str, port: int) -> list[str]:
         "--host", "127.0.0.1",
         "--port", str(port),
         "--load-snapshot-publish-interval", str(args.kv_publish_steps),
-        *harness.engine_flags(args.max_total_tokens),
+        *harness.engine_flags(args.max_total_tokens, args.tp),
     ]  # fmt: skip
     if policy == harness.VANILLA:
         return [sys.executable, "-m", "sglang.launch_server", *flags]
@@ -118,7 +118,9 @@ def measure(
     generate(url, prompts[0][:16], 4)  # compiles kernels before the clock starts
     with KvSampler(url, interval_s) as sampler, ThreadPoolExecutor(len(prompts)) as pool:
         start = time.perf_counter()
-        tokens = sum(len(out) for out in pool.map(lambda ids: generate(url, ids, output_len), prompts))
+        tokens = sum(
+            len(out) for out in pool.map(lambda ids: generate(url, ids, output_len), prompts)
+        )
         elapsed = time.perf_counter() - start
     return tokens / elapsed, sampler.samples
 
@@ -187,7 +189,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     rows += greedy_match_rows(info, args, greedy)
     harness.add_baseline_ratios(rows)
-    json_path = harness.save_results(BENCH, args.shape, rows, info, args.out_dir, args.results_md)
+    json_path = harness.save_results(
+        BENCH, harness.run_label(args), rows, info, args.out_dir, args.results_md
+    )
     print(f"plot: {plot.plot_e2e(rows, kv_timelines, json_path.with_suffix('.png'))}")
 
 

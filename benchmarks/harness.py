@@ -126,12 +126,18 @@ def common_parser(bench: str, doc: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-total-tokens", type=int, default=None, help="KV pool size (default: SGLang's)"
     )
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs)")
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     parser.add_argument("--results-md", type=Path, default=DEFAULT_RESULTS_MD)
     parser.add_argument(
         "--log-dir", type=Path, default=None, help="engine logs (default: --out-dir)"
     )
     return parser
+
+
+def run_label(args: argparse.Namespace) -> str:
+    """The shape, and the tensor-parallel size when there is one: names a run's result files."""
+    return args.shape if args.tp == 1 else f"{args.shape}-tp{args.tp}"
 
 
 def int_list(text: str) -> list[int]:
@@ -142,7 +148,7 @@ def name_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
-def engine_flags(max_total_tokens: int | None) -> list[str]:
+def engine_flags(max_total_tokens: int | None, tp: int = 1) -> list[str]:
     """SGLang flags for this host, shared by vanilla and policy runs so both see the same engine.
 
     On CUDA, prefill CUDA-graph capture is off (it takes most of the start-up time); decode CUDA
@@ -155,6 +161,8 @@ def engine_flags(max_total_tokens: int | None) -> list[str]:
         max_total_tokens = max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS
     if max_total_tokens:
         flags += ["--max-total-tokens", str(max_total_tokens)]
+    if tp > 1:
+        flags += ["--tp-size", str(tp)]
     return flags
 
 

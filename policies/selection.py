@@ -149,6 +149,8 @@ class SelectionDecoder:
         )
         self.num_selected = torch.zeros(ctx.max_batch_size, dtype=torch.int32, device=ctx.device)
         self._first_trim_unlogged = True
+        if ctx.max_across_ranks is not None:
+            logger.info("sglang_ext: %s selection scores are combined across ranks", policy_name)
 
     def select_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         q, cache = self._begin(q, k, v, layer, forward_batch, save_kv_cache)

@@ -1,5 +1,6 @@
 """A small synthetic KV cache like SGLang's, for the decode functions of selection policies."""
 
+import copy
 from types import SimpleNamespace
 
 import pytest
@@ -48,7 +49,7 @@ class Cache:
         self.new_k = randn(len(seq_lens), self.KV_HEADS, self.DIM)
         self.new_v = randn(len(seq_lens), self.KV_HEADS, self.DIM)
 
-    def context(self, base_decode=None, fingerprint=None):
+    def context(self, base_decode=None, fingerprint=None, max_across_ranks=None):
         return DecodeContext(
             num_layers=self.num_layers,
             base_decode=base_decode,
@@ -60,7 +61,22 @@ class Cache:
             max_batch_size=self.MAX_BATCH,
             device=self.device,
             model_fingerprint=fingerprint or {"architecture": "Tiny", "layers": self.num_layers},
+            max_across_ranks=max_across_ranks,
         )
+
+    def rank_view(self, rank: int, num_ranks: int) -> "Cache":
+        """This cache as tensor-parallel rank ``rank`` sees it: its share of the KV heads and their
+        query heads, the same slots and requests."""
+        kv_per_rank, q_per_rank = self.KV_HEADS // num_ranks, self.Q_HEADS // num_ranks
+        view = copy.copy(self)
+        view.Q_HEADS, view.KV_HEADS = q_per_rank, kv_per_rank
+        kv = slice(rank * kv_per_rank, (rank + 1) * kv_per_rank)
+        view.keys = [k[:, kv].clone() for k in self.keys]
+        view.values = [v[:, kv].clone() for v in self.values]
+        q = self.q.view(len(self.q), self.Q_HEADS, self.DIM)
+        view.q = q[:, rank * q_per_rank : (rank + 1) * q_per_rank].reshape(len(self.q), -1)
+        view.new_k, view.new_v = self.new_k[:, kv].clone(), self.new_v[:, kv].clone()
+        return view
 
     def write_kv(self, layer, forward_batch, k, v):
         self.keys[layer.layer_id][forward_batch.out_cache_loc] = k

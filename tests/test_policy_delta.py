@@ -165,3 +165,35 @@ def test_decode_replays_in_a_cuda_graph_with_new_inputs():
     torch.testing.assert_close(replayed, step(), **cache.tol)
     assert decoder.num_selected[:3].tolist() == [4, 4, 3]
     assert decoder.selected[0, -1].item() == 19  # the new last page, kept as recent
+
+
+@pytest.mark.parametrize("policy", ["delta", "tidal"])
+def test_tensor_parallel_ranks_select_what_one_rank_with_every_head_selects(policy):
+    """Two attention-TP ranks, each holding one KV head and its query heads, combine their scores
+    (max over ranks) and so select alike, and as one rank with all the heads would."""
+    params = {"full_layers": [0, 1], "budget_pages": 4, "recent_pages": 1}
+    if policy == "tidal":
+        params = {"full_layers": [0, 1], "budget_tokens": 24}
+    layers = {"delta_layers" if policy == "delta" else "selection_layers": [2]}
+    whole = Cache()
+    whole_fns = build_policy(policy, {**params, **layers}).decode_fns(whole.context())
+    whole.decode(whole_fns[2], 2)
+    expected = whole_fns[2].__self__.selected[:3].clone()
+
+    ranks = [whole.rank_view(rank, num_ranks=2) for rank in range(2)]
+    local_scores, local_selections = [], []
+    for rank in ranks:  # alone: each rank's scores (what it all-gathers) and its own choice
+        fns = build_policy(policy, {**params, **layers}).decode_fns(
+            rank.context(max_across_ranks=lambda x: local_scores.append(x.clone()) or x)
+        )
+        rank.decode(fns[2], 2)
+        local_selections.append(fns[2].__self__.selected[:3].clone())
+    assert any(not torch.equal(selection, expected) for selection in local_selections)
+
+    gathered_max = torch.maximum(*local_scores)
+    for rank in ranks:
+        fns = build_policy(policy, {**params, **layers}).decode_fns(
+            rank.context(max_across_ranks=lambda x: gathered_max)
+        )
+        rank.decode(fns[2], 2)
+        assert torch.equal(fns[2].__self__.selected[:3], expected)
