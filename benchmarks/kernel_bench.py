@@ -3,7 +3,7 @@ triton decode kernel on the same inputs, and against the bandwidth floor.
 
     python -m benchmarks.kernel_bench --shape qwen1.5b --batch 1,16,32,64 --context 4096,16384,32768
 
-Per (batch, context), one layer's time of: SGLang's decode kernel (the baseline, `vanilla`); our
+Per (batch, context), one layer's time (replayed from a CUDA graph, as the engine decodes) of: SGLang's decode kernel (the baseline, `vanilla`); our
 split-KV kernel over the whole cache (`full`); a selection layer (attention + scores + selection)
 of DELTA and of Tidal; a sparse layer of each. From them, the attention time of one decode step of
 the whole model under each policy (layer roles from the paper defaults for its depth). The floor of
@@ -34,26 +34,35 @@ def build_parser():
     return parser
 
 
-def time_ms(fn, reps: int = 50) -> float:
-    """Median of CUDA-event timings after warm-up (the kernels compile on the first call)."""
-    for _ in range(3):
+def time_ms(fn, reps: int = 20, replays: int = 10) -> float:
+    """Median time of one call, replayed from a CUDA graph as the engine's decode runs (no launch
+    or Python overhead), over ``reps`` timings of ``replays`` back-to-back replays each."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capturing stream: the kernels compile here
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         fn()
-    torch.cuda.synchronize()
+    graph.replay()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(replays):
+            graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / replays)
     return sorted(times)[len(times) // 2]
 
 
 def copy_bandwidth_gbs() -> float:
     src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), reps=20)
+    ms = time_ms(lambda: dst.copy_(src), reps=5, replays=4)
     return 2 * src.numel() / (ms * 1e-3) / 1e9  # read + write
 
 
