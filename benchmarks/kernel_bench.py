@@ -18,7 +18,7 @@ import torch
 from sglang_ext.policies import DecodeContext, build_policy
 from sglang_ext.policies.selection import LayerRole
 
-from benchmarks import harness
+from benchmarks import harness, plot
 from benchmarks.harness import Row, RunInfo
 
 BENCH = "kernel_bench"
@@ -204,7 +204,14 @@ def main(argv: list[str] | None = None) -> None:
     rows.append(info.row(bench=BENCH, policy="device", model_shape=args.shape, batch=0, context=0,
                          metric="copy_bandwidth_gbs", value=bandwidth))  # fmt: skip
     harness.add_baseline_ratios(rows)
-    harness.save_results(BENCH, args.shape, rows, info, args.out_dir, args.results_md)
+    json_path = harness.save_results(BENCH, args.shape, rows, info, args.out_dir, args.results_md)
+    print(f"plot: {plot_step_attention(rows, json_path.with_suffix('.png'))}")
+
+
+def plot_step_attention(rows: list[Row], path):
+    return plot.plot_decode_step(
+        rows, path, metric="step_attention_ms", to_ms=1, what="attention time of a decode step"
+    )
 
 
 if __name__ == "__main__":

@@ -20,9 +20,16 @@ def _title(rows: list[Row], what: str) -> str:
     return f"{what} · {rows[0].model_shape} · {rows[0].device}"
 
 
-def plot_decode_step(rows: list[Row], path: Path) -> Path | None:
-    """Decode-step latency against context, one panel per batch size, one line per policy."""
-    measured = [r for r in rows if r.metric == "decode_step_latency_s" and r.value is not None]
+def plot_decode_step(
+    rows: list[Row],
+    path: Path,
+    metric: str = "decode_step_latency_s",
+    to_ms: float = 1e3,
+    what: str = "decode-step latency",
+) -> Path | None:
+    """A time metric (decode-step latency by default) against context, one panel per batch size,
+    one line per policy."""
+    measured = [r for r in rows if r.metric == metric and r.value is not None]
     if not measured:
         return None
     batches = sorted({r.batch for r in measured})
@@ -31,7 +38,7 @@ def plot_decode_step(rows: list[Row], path: Path) -> Path | None:
     for ax, batch in zip(axes[0], batches):
         for policy in _policies(measured):
             points = sorted(
-                (r.context, r.value * 1e3)
+                (r.context, r.value * to_ms)
                 for r in measured
                 if r.batch == batch and r.policy == policy
             )
@@ -40,11 +47,11 @@ def plot_decode_step(rows: list[Row], path: Path) -> Path | None:
         ax.set_xscale("log", base=2)
         ax.set_xticks(contexts, [str(c) for c in contexts])
         ax.minorticks_off()
-        ax.set(title=f"batch {batch}", xlabel="context (tokens)", ylabel="decode step (ms)")
+        ax.set(title=f"batch {batch}", xlabel="context (tokens)", ylabel=f"{what} (ms)")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(_title(rows, "decode-step latency"))
+    fig.suptitle(_title(rows, what))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
