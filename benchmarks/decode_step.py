@@ -47,7 +47,7 @@ def run_policy(args: argparse.Namespace, policy: str, log_path: Path) -> dict:
     one_batch_flags = [
         "--model-path", str(harness.shape_path(args.shape)),
         "--load-format", "dummy",
-        *harness.engine_flags(args.max_total_tokens, args.tp),
+        *harness.engine_flags(args.max_total_tokens, args.tp, args.context_length),
         "--batch-size", *map(str, args.batch),
         "--input-len", *map(str, args.context),
         "--output-len", str(args.output_len),

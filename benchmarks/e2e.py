@@ -58,7 +58,7 @@ def server_argv(args: argparse.Namespace, policy: str, port: int) -> list[str]:
         "--host", "127.0.0.1",
         "--port", str(port),
         "--load-snapshot-publish-interval", str(args.kv_publish_steps),
-        *harness.engine_flags(args.max_total_tokens, args.tp),
+        *harness.engine_flags(args.max_total_tokens, args.tp, args.context_length),
     ]  # fmt: skip
     if policy == harness.VANILLA:
         return [sys.executable, "-m", "sglang.launch_server", *flags]

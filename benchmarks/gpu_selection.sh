@@ -26,7 +26,8 @@ case "${1:?kernels, decode or e2e}" in
       --context ${CONTEXT:-4096,16384,32768} --output-len 16 --skip-prefill-compute ;;
   e2e)
     "$python" -c "from benchmarks.harness import require_plugin_entry_point as r; r()"
-    "$python" -m benchmarks.e2e --shape qwen1.5b "${common[@]}" --policies vanilla,full,delta,tidal \
-      --requests 64 --input-len 1024 --output-len "${OUTPUT_LEN:-16384}" ;;
+    "$python" -m benchmarks.e2e --shape qwen1.5b "${common[@]}" \
+      --policies "${POLICIES:-vanilla,full,delta,tidal}" --requests 64 --input-len 1024 \
+      --output-len "${OUTPUT_LEN:-16384}" ${CONTEXT_LENGTH:+--context-length $CONTEXT_LENGTH} ;;
 esac
 echo "gpu_selection $1: done in ${SECONDS}s"

@@ -127,6 +127,9 @@ def common_parser(bench: str, doc: str) -> argparse.ArgumentParser:
         "--max-total-tokens", type=int, default=None, help="KV pool size (default: SGLang's)"
     )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs)")
+    parser.add_argument(
+        "--context-length", type=int, default=None, help="SGLang's (default: the model's)"
+    )
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     parser.add_argument("--results-md", type=Path, default=DEFAULT_RESULTS_MD)
     parser.add_argument(
@@ -148,7 +151,9 @@ def name_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
-def engine_flags(max_total_tokens: int | None, tp: int = 1) -> list[str]:
+def engine_flags(
+    max_total_tokens: int | None, tp: int = 1, context_length: int | None = None
+) -> list[str]:
     """SGLang flags for this host, shared by vanilla and policy runs so both see the same engine.
 
     On CUDA, prefill CUDA-graph capture is off (it takes most of the start-up time); decode CUDA
@@ -163,6 +168,8 @@ def engine_flags(max_total_tokens: int | None, tp: int = 1) -> list[str]:
         flags += ["--max-total-tokens", str(max_total_tokens)]
     if tp > 1:
         flags += ["--tp-size", str(tp)]
+    if context_length:
+        flags += ["--context-length", str(context_length)]
     return flags
 
 

@@ -31,13 +31,19 @@ def geometric_mean(values: list[float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.overhead", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--metric", required=True, help="a metric of the rows, e.g. decode_step_latency_s")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.overhead", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--metric", required=True, help="a metric of the rows, e.g. decode_step_latency_s"
+    )
     parser.add_argument("results", nargs="+", type=Path, help="results JSON files (one per run)")
     args = parser.parse_args(argv)
     ratios = ratios_by_policy(args.results, args.metric)
     if not ratios:
-        raise SystemExit(f"no policy rows with metric {args.metric!r} in {len(args.results)} file(s)")
+        raise SystemExit(
+            f"no policy rows with metric {args.metric!r} in {len(args.results)} file(s)"
+        )
     print("| policy | metric | runs | points | geomean ratio | min | max |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for policy, runs in sorted(ratios.items()):
