@@ -28,20 +28,11 @@ PAPER_DEPTH, PAPER_DELTA_LAYERS = 28, [2, 14, 22]  # the paper's Δ-layers for 2
 class DeltaPolicy(SelectionPolicy):
     name = "delta"
     selection_field = "delta_layers"
+    budget_field, recent_field = "budget_pages", "recent_pages"
     full_layers: list[int] | None = None  # unset: calibration file, else [0, 1]
     delta_layers: list[int] | None = None  # unset: calibration file, else [2, 14, 22] at 28 layers
     budget_pages: int = 64
     recent_pages: int = 8
-
-    def validate(self) -> None:
-        if self.budget_pages < 1:
-            self._error("budget_pages", f"must be >= 1, got {self.budget_pages}")
-        if not 0 <= self.recent_pages <= self.budget_pages:
-            self._error(
-                "recent_pages",
-                f"must be in [0, budget_pages={self.budget_pages}], got {self.recent_pages}",
-            )
-        self.validate_layers()
 
     def paper_layers(self, num_layers: int) -> tuple[list[int], list[int]]:
         return [0, 1], [2, *scaled_layers(PAPER_DELTA_LAYERS[1:], PAPER_DEPTH, num_layers)]

@@ -46,6 +46,8 @@ class SelectionPolicy(KVPolicy):
     ``full_layers`` and ``<selection_field>`` (list[int] | None) and builds its ``Selection``."""
 
     selection_field: ClassVar[str]
+    budget_field: ClassVar[str]  # how many units are selected
+    recent_field: ClassVar[str]  # how many of them are the last ones, always kept
 
     def paper_layers(self, num_layers: int) -> tuple[list[int], list[int]]:
         """(full layers, selection layers) from the paper, for a model without calibration."""
@@ -56,6 +58,16 @@ class SelectionPolicy(KVPolicy):
 
     def selecting_layers(self) -> list[int] | None:
         return getattr(self, self.selection_field)
+
+    def validate(self) -> None:
+        budget, recent = getattr(self, self.budget_field), getattr(self, self.recent_field)
+        if budget < 1:
+            self._error(self.budget_field, f"must be >= 1, got {budget}")
+        if not 0 <= recent <= budget:
+            self._error(
+                self.recent_field, f"must be in [0, {self.budget_field}={budget}], got {recent}"
+            )
+        self.validate_layers()
 
     def validate_layers(self) -> None:
         selecting = self.selecting_layers()

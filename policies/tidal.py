@@ -24,20 +24,11 @@ PAPER_DEPTH, PAPER_RESELECTION_LAYER = 32, 13  # the paper's best for Llama-3-8B
 class TidalPolicy(SelectionPolicy):
     name = "tidal"
     selection_field = "selection_layers"
+    budget_field, recent_field = "budget_tokens", "recent_tokens"
     full_layers: list[int] | None = None  # unset: calibration file, else [0, 1]
     selection_layers: list[int] | None = None  # unset: calibration file, else [2, 13 of 32]
     budget_tokens: int = 1024
     recent_tokens: int = 1
-
-    def validate(self) -> None:
-        if self.budget_tokens < 1:
-            self._error("budget_tokens", f"must be >= 1, got {self.budget_tokens}")
-        if not 0 <= self.recent_tokens <= self.budget_tokens:
-            self._error(
-                "recent_tokens",
-                f"must be in [0, budget_tokens={self.budget_tokens}], got {self.recent_tokens}",
-            )
-        self.validate_layers()
 
     def paper_layers(self, num_layers: int) -> tuple[list[int], list[int]]:
         reselect = scaled_layers([PAPER_RESELECTION_LAYER], PAPER_DEPTH, num_layers)
