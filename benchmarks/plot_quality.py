@@ -52,7 +52,7 @@ def summary_markdown(rows: list[Row], runs, notes: list[str]) -> str:
     ]
     for run in runs:
         cells = " | ".join(_fmt(means[run.label][metric]) for metric, _ in SUMMARY_METRICS)
-        lines.append(f"| {run.policy} | {run.budget or 'all'} | {cells} |")
+        lines.append(f"| {run.series} | {run.budget or 'all'} | {cells} |")
     return "\n".join(lines) + "\n"
 
 
@@ -61,12 +61,12 @@ def plot_quality(rows: list[Row], runs, path: Path) -> Path:
     lookup accuracy is the dashed reference."""
     means = summary(rows, runs)
     fig, axes = plt.subplots(1, len(SUMMARY_METRICS), figsize=(4.2 * len(SUMMARY_METRICS), 3.8))
-    policies = list(dict.fromkeys(run.policy for run in runs if run.budget is not None))
+    policies = list(dict.fromkeys(run.series for run in runs if run.budget is not None))
     full = next((run.label for run in runs if run.budget is None), None)
     for ax, (metric, title) in zip(axes, SUMMARY_METRICS):
         for policy in policies:
             points = [(run.budget, means[run.label][metric]) for run in runs
-                      if run.policy == policy and means[run.label][metric] is not None]  # fmt: skip
+                      if run.series == policy and means[run.label][metric] is not None]  # fmt: skip
             if points:
                 ax.plot(*zip(*sorted(points)), marker="o", label=policy)
         if full and means[full][metric] is not None:

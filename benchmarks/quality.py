@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -48,22 +49,31 @@ POLICY_DESCRIBED = re.compile(r"decoding with policy (\{.*\})")
 class PolicyRun:
     policy: str
     budget: int | None  # tokens; None for full attention
+    correction: int = 0  # tidal's cache correction interval; 0: off
+
+    @property
+    def series(self) -> str:
+        """The policy and its variant, without the budget: one line of the plot."""
+        return f"{self.policy}+cc{self.correction}" if self.correction else self.policy
 
     @property
     def label(self) -> str:
-        return self.policy if self.budget is None else f"{self.policy}-{self.budget}"
+        return self.series if self.budget is None else f"{self.series}-{self.budget}"
 
     @property
     def config(self) -> dict | None:
         if self.policy == "delta":
             return {"budget_pages": self.budget // 16, "recent_pages": self.budget // 128}
         if self.policy == "tidal":
-            return {"budget_tokens": self.budget}
+            return {"budget_tokens": self.budget, "correction_interval": self.correction}
         return None
 
 
-def policy_runs(policies: list[str], budgets: list[int]) -> list[PolicyRun]:
-    """Full attention first (every other run is compared with it), then each policy per budget."""
+def policy_runs(
+    policies: list[str], budgets: list[int], corrections: list[int] = ()
+) -> list[PolicyRun]:
+    """Full attention first (every other run is compared with it), then each policy per budget;
+    tidal also with each cache correction interval in ``corrections``."""
     unknown = set(policies) - {FULL, "delta", "tidal"}
     if unknown:
         raise SystemExit(f"unknown --policies {sorted(unknown)} (valid: full, delta, tidal)")
@@ -71,6 +81,9 @@ def policy_runs(policies: list[str], budgets: list[int]) -> list[PolicyRun]:
     if bad:
         raise SystemExit(f"--budgets must be multiples of 128 (delta's recent pages): {bad}")
     sparse = [PolicyRun(p, b) for p in policies if p != FULL for b in budgets]
+    if corrections and "tidal" not in policies:
+        raise SystemExit("--correction-intervals applies to tidal: add it to --policies")
+    sparse += [PolicyRun("tidal", b, t) for t in corrections for b in budgets]
     return [PolicyRun(FULL, None), *sparse]
 
 
@@ -87,7 +100,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seeds-dir", type=Path, default=DEFAULT_SEEDS_DIR,
                         help="text files for the greedy passages (else stdlib source)")  # fmt: skip
     # This CPU (AVX2, no AVX-512 BF16) multiplies bf16 matrices ~20x slower than float32.
+    parser.add_argument(
+        "--correction-intervals",
+        type=harness.int_list,
+        default=[],
+        help="also run tidal with cache correction every T decode steps, per T",
+    )
     parser.add_argument("--dtype", default="float32", help="engine dtype (default: float32)")
+    parser.add_argument(
+        "--server-args",
+        default="",
+        help="more SGLang flags for every server, e.g. on a GPU host "
+        "'--disable-prefill-cuda-graph'",
+    )
     parser.add_argument("--threads", type=int, default=2, help="the engine's OMP_NUM_THREADS")
     parser.add_argument("--out-dir", type=Path, default=harness.DEFAULT_OUT_DIR)
     parser.add_argument("--results-md", type=Path, default=harness.DEFAULT_RESULTS_MD)
@@ -134,7 +159,7 @@ def server_argv(run: PolicyRun, args: argparse.Namespace, port: int) -> list[str
         sys.executable, "-m", "sglang_ext.launch", "--policy", run.policy, *config,
         "--port", str(port), "--dtype", args.dtype,
         # Every request is prefilled whole, independent of what an earlier one left cached.
-        "--disable-radix-cache",
+        "--disable-radix-cache", *shlex.split(args.server_args),
     ]  # fmt: skip
 
 
@@ -234,7 +259,7 @@ def save_cases(path: Path, source: str, runs, outputs, prompts, cases) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     harness.require_plugin_entry_point()
-    runs = policy_runs(args.policies, args.budgets)
+    runs = policy_runs(args.policies, args.budgets, args.correction_intervals)
     from transformers import AutoTokenizer
 
     from sglang_ext.model import default_model_path
@@ -261,8 +286,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.greedy_tokens} new tokens each (EOS ignored)",
         f"lookup: {len(cases)} cases (lengths {args.lookup_lengths} x depths "
         f"{args.lookup_depths} x {args.seeds} seeds), {args.lookup_tokens} new tokens",
-        f"engine: CPU torch_native, --dtype {args.dtype}, OMP_NUM_THREADS={args.threads}, "
-        "--disable-radix-cache, requests one at a time, temperature 0",
+        f"engine: {info.device}, --dtype {args.dtype}, OMP_NUM_THREADS={args.threads}, "
+        f"--disable-radix-cache {args.server_args}, requests one at a time, temperature 0",
         "policy parameters as the servers resolved them: "
         + "; ".join(f"{r.label} {outputs[r.label]['params']}" for r in runs if r.policy != FULL),
         f"requests and answers: `{cases_path.name}`; plot: `{png.name}`",

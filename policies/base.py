@@ -66,6 +66,11 @@ class KVPolicy:
         """One decode function per layer, built once from the backend's context."""
         return [ctx.base_decode] * ctx.num_layers
 
+    def cache_correction_interval(self) -> int:
+        """Every how many decode steps sparsely decoded tokens get their K/V re-filled with full
+        attention (sglang_ext.cache_correction); 0: never."""
+        return 0
+
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, **dataclasses.asdict(self)}
 

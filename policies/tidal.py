@@ -4,6 +4,8 @@ Layers in ``full_layers`` attend to the whole cache. A token-selection layer (by
 and one re-selection layer mid-depth) attends to the whole cache too and keeps the
 ``budget_tokens`` tokens with the highest q·k (max over query heads), always including the last
 ``recent_tokens`` (the token being decoded); the other layers after it attend only to those tokens.
+With ``correction_interval`` T > 0, every T decode steps the tokens decoded since the last
+correction get their K/V re-filled by a full-attention prefill (sglang_ext.cache_correction).
 """
 
 from __future__ import annotations
@@ -29,6 +31,17 @@ class TidalPolicy(SelectionPolicy):
     selection_layers: list[int] | None = None  # unset: calibration file, else [2, 13 of 32]
     budget_tokens: int = 1024
     recent_tokens: int = 1
+    correction_interval: int = 0  # T of the paper's cache correction (Sec. 3.2); 0: off
+
+    def validate(self) -> None:
+        super().validate()
+        if self.correction_interval < 0:
+            self._error(
+                "correction_interval", f"must be >= 0 (0: off), got {self.correction_interval}"
+            )
+
+    def cache_correction_interval(self) -> int:
+        return self.correction_interval
 
     def paper_layers(self, num_layers: int) -> tuple[list[int], list[int]]:
         reselect = scaled_layers([PAPER_RESELECTION_LAYER], PAPER_DEPTH, num_layers)

@@ -9,10 +9,16 @@ def register() -> None:
         register_attention_backend,
     )
 
+    from sglang_ext import cache_correction
     from sglang_ext.backend import POLICY_BASES, policy_backend_factory
+    from sglang_ext.config import active_policy
 
     for name in POLICY_BASES:
         current = ATTENTION_BACKENDS[name]
         if hasattr(current, "sglang_ext_stock"):
             continue
         register_attention_backend(name)(policy_backend_factory(name, current))
+
+    policy = active_policy()
+    if policy is not None and policy.cache_correction_interval() > 0:
+        cache_correction.install(policy.cache_correction_interval())

@@ -22,13 +22,16 @@ LONG_PROMPT = " ".join(
     f"Fact {i}: the {color} box holds {i * 7} marbles."
     for i, color in enumerate(["red", "blue", "green", "yellow", "white"] * 5)
 ) + " Question: how many marbles does the green box of fact 2 hold? Answer:"
-COMMON = ["--max-total-tokens", "16384", "--log-level", "info"]
+CORRECTION_INTERVAL = 8
+# float32: the correction test compares K/V that bf16 would round differently per chunking
+COMMON = ["--max-total-tokens", "16384", "--log-level", "info", "--dtype", "float32"]
 CONFIGS = {
     "full": None,
     "delta": None,  # the defaults (64 pages, 1024 tokens) cover every prompt here: exact
     "delta_small": {"budget_pages": 4, "recent_pages": 1},
     "tidal": None,  # 1024 tokens
     "tidal_small": {"budget_tokens": 64},
+    "tidal_corrected": {"budget_tokens": 64, "correction_interval": CORRECTION_INTERVAL},
 }
 SMALL_BUDGET = {"delta": ("pages", 4, 16), "tidal": ("tokens", 64, 1)}  # unit, budget, unit size
 
@@ -95,3 +98,43 @@ def test_no_kv_leak_after_the_requests(servers):
         server.wait_idle()
         assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
         assert "leak" not in server.log().lower()
+
+
+def _greedy(server, input_ids, max_new_tokens, **extra):
+    payload = {"input_ids": input_ids, **extra,
+               "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    response = requests.post(f"{server.url}/generate", json=payload, timeout=300)
+    response.raise_for_status()
+    return response.json()
+
+
+def _next_token_logprobs(server, input_ids) -> dict[int, float]:
+    out = _greedy(server, input_ids, 1, return_logprob=True, top_logprobs_num=10)
+    return {token: logprob for logprob, token, _ in out["meta_info"]["output_top_logprobs"][0]}
+
+
+def _kv_error_after_decoding(servers, name, prompt_ids) -> float:
+    """Decode greedily on ``name``, then continue from the tokens every correction covered: the
+    radix cache reuses their K/V as ``name`` stored them, whereas full attention recomputes them.
+    The largest difference of the next token's top log-probabilities measures the K/V drift."""
+    corrected = 3 * CORRECTION_INTERVAL  # three rounds; the last tokens stay as decoded
+    output_ids = _greedy(servers[name], prompt_ids, corrected + 5)["output_ids"]
+    continued = prompt_ids + output_ids[:corrected]
+    ours = _next_token_logprobs(servers[name], continued)
+    theirs = _next_token_logprobs(servers["full"], continued)
+    shared = ours.keys() & theirs.keys()
+    assert len(shared) >= 5
+    return max(abs(ours[t] - theirs[t]) for t in shared)
+
+
+def test_cache_correction_refills_sparsely_decoded_tokens_with_full_attentions_kv(servers, model_path):
+    from transformers import AutoTokenizer
+
+    prompt_ids = AutoTokenizer.from_pretrained(model_path)(LONG_PROMPT)["input_ids"]
+    corrected = _kv_error_after_decoding(servers, "tidal_corrected", prompt_ids)
+    uncorrected = _kv_error_after_decoding(servers, "tidal_small", prompt_ids)
+    print(f"next-token log-prob error vs full: corrected {corrected:.4f}, uncorrected {uncorrected:.4f}")
+    assert "first cache correction re-filled" in servers["tidal_corrected"].log()
+    assert "cache correction" not in servers["tidal_small"].log()
+    assert uncorrected > 0.05, "sparse decoding should leave K/V that full attention would not"
+    assert corrected < 1e-3  # float32: the corrected K/V are full attention's, to rounding

@@ -28,6 +28,7 @@ def test_defaults_reselect_at_the_papers_relative_depth():
         ({"selection_layers": [13, 2]}, "selection_layers", "ascending"),
         ({"full_layers": [0], "selection_layers": [2]}, "full_layers", "[1] come before"),
         ({"budget_tokens": 1.5}, "budget_tokens", "expected int"),
+        ({"correction_interval": -1}, "correction_interval", "must be >= 0"),
     ],
 )
 def test_bad_parameters_name_the_field(params, field, fragment):
