@@ -9,6 +9,7 @@ python=${PYTHON:-python3}
 out=${OUT:-benchmarks/results}
 results_md=${OUT:+$OUT/RESULTS.md}
 logs=${LOG_DIR:-/tmp/sglang_ext-bench-logs}
+corrections=${CORRECTION_INTERVALS-8}  # empty: no cache-correction runs
 gguf=${GGUF:-/tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 export SGLANG_EXT_MODEL_CACHE=${SGLANG_EXT_MODEL_CACHE:-/tmp/sglang_ext-models}
 export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
@@ -23,7 +24,7 @@ if not (target / "sglang_ext_converted.json").is_file():
 print("model:", model.default_model_path())
 PY
 "$python" -m benchmarks.quality --out-dir "$out" --results-md "${results_md:-benchmarks/RESULTS.md}" \
-  --log-dir "$logs" --dtype bfloat16 --server-args "--disable-prefill-cuda-graph" \
-  --policies full,delta,tidal --budgets ${BUDGETS:-256,512,1024} \
-  --correction-intervals ${CORRECTION_INTERVALS:-8} ${QUALITY_ARGS:-}
+  --log-dir "$logs" --dtype bfloat16 --server-args=--disable-prefill-cuda-graph \
+  --policies ${POLICIES:-full,delta,tidal} --budgets ${BUDGETS:-256,512,1024} \
+  ${corrections:+--correction-intervals $corrections} ${QUALITY_ARGS:-}
 echo "gpu_quality: done in ${SECONDS}s"

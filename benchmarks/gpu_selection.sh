@@ -2,7 +2,7 @@
 # DELTA and TidalDecode speed on a GPU host, against vanilla SGLang and `--policy full` in the same
 # run (issue 3, "Speed"). From the repo root, with SGLang and this project installed as README's
 # "GPU" section says:
-#   PYTHONPATH=/tmp/site:/tmp/ext bash benchmarks/gpu_selection.sh kernels|decode|e2e
+#   PYTHONPATH=/tmp/site:/tmp/ext bash benchmarks/gpu_selection.sh kernels|decode|e2e|correction
 # Outputs as benchmarks/gpu_foundation.sh: rows and plots in ${OUT:-benchmarks/results}, the
 # RESULTS.md section in $OUT/RESULTS.md on the device machine.
 set -euo pipefail
@@ -13,7 +13,7 @@ logs=${LOG_DIR:-/tmp/sglang_ext-bench-logs}
 common=(--out-dir "$out" --results-md "${results_md:-benchmarks/RESULTS.md}" --log-dir "$logs")
 export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 
-case "${1:?kernels, decode or e2e}" in
+case "${1:?kernels, decode, e2e or correction}" in
   kernels)
     for shape in qwen1.5b llama8b; do
       "$python" -m benchmarks.kernel_bench --shape $shape "${common[@]}" \
@@ -29,5 +29,12 @@ case "${1:?kernels, decode or e2e}" in
     "$python" -m benchmarks.e2e --shape qwen1.5b "${common[@]}" \
       --policies "${POLICIES:-vanilla,full,delta,tidal}" --requests 64 --input-len 1024 \
       --output-len "${OUTPUT_LEN:-16384}" ${CONTEXT_LENGTH:+--context-length $CONTEXT_LENGTH} ;;
+  correction)
+    # the cost of TidalDecode's cache correction: tidal with and without it, each against vanilla
+    "$python" -c "from benchmarks.harness import require_plugin_entry_point as r; r()"
+    for config in '{}' "{\"correction_interval\": ${INTERVAL:-8}}"; do
+      "$python" -m benchmarks.e2e --shape qwen1.5b "${common[@]}" --policies vanilla,tidal \
+        --policy-config "$config" --requests 64 --input-len 1024 --output-len "${OUTPUT_LEN:-4096}"
+    done ;;
 esac
 echo "gpu_selection $1: done in ${SECONDS}s"
