@@ -66,6 +66,16 @@ class KVPolicy:
         """One decode function per layer, built once from the backend's context."""
         return [ctx.base_decode] * ctx.num_layers
 
+    def runtime(self, ctx: DecodeContext) -> Any | None:
+        """A policy that keeps per-request state across decode steps (lethe) returns the object
+        holding it, built once at start-up; its ``decode_fns()`` replace this policy's. The
+        engine hooks of ``sglang_ext.eviction`` find it on the backend. None: stateless."""
+        return None
+
+    def server_defaults(self) -> dict[str, str | None]:
+        """SGLang flags the launcher adds where the user gave none (None: a flag without value)."""
+        return {}
+
     def cache_correction_interval(self) -> int:
         """Every how many decode steps sparsely decoded tokens get their K/V re-filled with full
         attention (sglang_ext.cache_correction); 0: never."""

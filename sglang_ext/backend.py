@@ -44,11 +44,21 @@ class PolicyDispatchMixin:
             max_across_ranks=_max_across_attention_ranks(),
         )
         self.kv_policy = policy.for_model(context)
-        self._decode_by_layer = self.kv_policy.decode_fns(context)
+        self.policy_runtime = self.kv_policy.runtime(context)
+        if self.policy_runtime is not None:
+            self._decode_by_layer = self.policy_runtime.decode_fns()
+        else:
+            self._decode_by_layer = self.kv_policy.decode_fns(context)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         decode = self._decode_by_layer[layer.layer_id]
         return decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        out = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        if self.policy_runtime is not None:
+            self.policy_runtime.after_extend(q, layer, forward_batch)
+        return out
 
     def write_decode_kv(self, layer, forward_batch, k, v) -> None:
         raise NotImplementedError

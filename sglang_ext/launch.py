@@ -52,9 +52,13 @@ def _flag_value(argv: list[str], flag: str, default: str) -> str:
     return default
 
 
-def sglang_argv(argv: list[str]) -> list[str]:
-    """SGLang's flags with this project's defaults added where the user gave none."""
+def sglang_argv(argv: list[str], policy: KVPolicy | None = None) -> list[str]:
+    """SGLang's flags with this project's and the policy's defaults added where the user gave
+    none."""
     out = list(argv)
+    for flag, value in (policy.server_defaults() if policy is not None else {}).items():
+        if not _has_flag(out, flag):
+            out += [flag] if value is None else [flag, value]
     if not _has_flag(out, "--model-path", "--model"):
         from sglang_ext.model import default_model_path
 
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     policy = _policy_or_exit(parser, ours)
 
     cpu.activate()
-    argv_out = sglang_argv(rest)
+    argv_out = sglang_argv(rest, policy)
     _check_backend(parser, argv_out)
     export_policy(policy)
 

@@ -1,0 +1,152 @@
+"""``lethe``: evicts KV during decoding and returns the freed slots to SGLang's pool (Lethe).
+
+Every layer attends only to its own retained tokens and keeps a RASR score per token (decayed
+accumulated attention, Eq. 5; ``sglang_ext.kernels.rasr``). Eq. 2 sums attention over queries, so
+the prompt contributes too: the attention of its last ``observation_window`` tokens seeds the
+scores at prefill, and a round that comes at the first decode step does not choose blind. When a request's retained KV (the
+tokens any layer still keeps) passes its eviction threshold, a pruning round runs Algorithm 1 on
+every layer: sort the layer's scores, cut them into ``segments``, and find the breakpoint; keep the
+salient tokens before it, the ``sink_tokens`` first tokens and the most recent ``recent_ratio`` of
+the layer's retained tokens. A slot is freed once no layer keeps it. Rounds repeat as the request
+grows; the threshold follows Algorithm 1.
+
+Memory: SGLang stores a token's K/V for all layers in one slot, so a slot is freed only when every
+layer drops the token. Layers whose attention is flat find no breakpoint and keep everything (on
+SmolLM2 the first layers do), so the paper's per-layer rule alone can free nothing. A round
+therefore also caps the request's KV at ``max_kv_ratio`` of its tokens (``cap_union``); 1.0 turns
+the cap off and leaves the paper's rule alone. The engine side lives in ``sglang_ext.eviction``.
+
+Breakpoint: the paper's text reads "first cut where v_top[0] / v_top[cut] <= tau", which holds at
+the first cut for any but the steepest scores and would make a larger tau prune *more*; its
+ablation says a larger ``sparse_ratio`` keeps more. We take the reading that agrees with the
+ablation: the breakpoint is the first cut where the scores have dropped by more than tau
+(v_top[0] > tau * v_top[cut]); tokens from there on are pruned. No such cut: the layer's attention
+is not sparse, it keeps everything this round, and if no layer found one the threshold doubles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from sglang_ext.policies.base import DecodeContext, KVPolicy, PolicyConfigError
+from sglang_ext.policies.registry import register_policy
+
+
+DEFAULT_MAX_RUNNING_REQUESTS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerShrink:
+    """One layer's outcome of a round: which retained entries it keeps, and the count the
+    threshold update uses (breakpoint + recent window), or None when no breakpoint was found."""
+
+    keep: torch.Tensor  # bool [n], over the layer's retained entries
+    salient_plus_recent: int | None
+
+
+@register_policy
+@dataclasses.dataclass(frozen=True)
+class Lethe(KVPolicy):
+    name = "lethe"
+
+    evict_threshold: int = 1024  # initial L_evict: retained tokens that trigger the first round
+    sparse_ratio: float = 400.0  # tau: a score drop by more than this marks the breakpoint
+    recent_ratio: float = 0.3  # fraction of a layer's retained tokens kept as the recent window
+    sink_tokens: int = 4  # the first tokens, always kept
+    segments: int = 10  # D: cut points of the sorted scores
+    decay: float = 0.95  # gamma of RASR
+    max_kv_ratio: float = 0.3  # a round leaves at most this fraction of a request's tokens' KV
+    observation_window: int = 32  # the last prompt tokens whose attention seeds the scores
+
+    def validate(self) -> None:
+        if self.evict_threshold < 1:
+            self._error("evict_threshold", f"must be >= 1, got {self.evict_threshold}")
+        if not (math.isfinite(self.sparse_ratio) and self.sparse_ratio > 1):
+            self._error("sparse_ratio", f"must be a finite number > 1, got {self.sparse_ratio}")
+        if not 0 <= self.recent_ratio < 1:
+            self._error("recent_ratio", f"must be in [0, 1), got {self.recent_ratio}")
+        if self.sink_tokens < 0:
+            self._error("sink_tokens", f"must be >= 0, got {self.sink_tokens}")
+        if self.segments < 2:
+            self._error("segments", f"must be >= 2, got {self.segments}")
+        if not 0 < self.decay <= 1:
+            self._error("decay", f"must be in (0, 1], got {self.decay}")
+        if self.observation_window < 0:
+            self._error(
+                "observation_window", f"must be >= 0, got {self.observation_window}"
+            )
+        if not 0 < self.max_kv_ratio <= 1:
+            self._error("max_kv_ratio", f"must be in (0, 1], got {self.max_kv_ratio}")
+
+    def runtime(self, ctx: DecodeContext):
+        from sglang_ext.eviction import LetheRuntime
+
+        if ctx.max_across_ranks is not None:
+            self._error("name", "lethe does not run under attention tensor parallelism yet")
+        return LetheRuntime(self, ctx)
+
+    def server_defaults(self) -> dict[str, str]:
+        # The state is per request slot x context position; SGLang's default request pool
+        # (thousands of slots on a large KV pool) would make it gigabytes.
+        # Prefill seeds the scores with a host-side loop over requests (sglang_ext.eviction).
+        return {
+            "--max-running-requests": str(DEFAULT_MAX_RUNNING_REQUESTS),
+            "--disable-prefill-cuda-graph": None,
+        }
+
+    def recent_window(self, retained: int) -> int:
+        return math.ceil(self.recent_ratio * retained)
+
+    def shrink_layer(self, positions: torch.Tensor, scores: torch.Tensor) -> LayerShrink:
+        """Algorithm 1 on one layer's retained entries (logical positions ascending, scores)."""
+        n = positions.numel()
+        recent = self.recent_window(n)
+        keep = positions < self.sink_tokens
+        keep[n - recent :] = True
+        top_values, top_indices = torch.sort(scores, descending=True, stable=True)
+        cuts = torch.tensor([n * d // self.segments for d in range(1, self.segments)])
+        cuts = cuts[(cuts > 0) & (cuts < n)].to(scores.device)
+        dropped = top_values[0] > self.sparse_ratio * top_values[cuts]
+        if not bool(dropped.any()):
+            return LayerShrink(torch.ones_like(keep), None)
+        breakpoint = int(cuts[int(dropped.int().argmax())])
+        keep[top_indices[:breakpoint]] = True
+        return LayerShrink(keep, breakpoint + recent)
+
+    def cap_union(self, kept: list[torch.Tensor], scores: list[torch.Tensor], length: int):
+        """Which of ``length`` positions the request's KV keeps after a round: every position a
+        layer kept (``kept[l]`` with ``scores[l]``), cut to ``max_kv_ratio`` of ``length`` when
+        more: sink and recent tokens first, then by the best score any layer gives the position,
+        each layer's scores normalised to sum 1 so that layers weigh alike. Bool [length]."""
+        device = scores[0].device
+        best = torch.full((len(kept), length), float("-inf"), device=device)
+        for layer, (positions, layer_scores) in enumerate(zip(kept, scores, strict=True)):
+            total = layer_scores.sum().clamp_min(torch.finfo(torch.float32).tiny)
+            best[layer, positions.long()] = layer_scores / total
+        best = best.amax(0)
+        union = torch.isfinite(best)
+        cap = max(self.sink_tokens + 1, math.ceil(self.max_kv_ratio * length))
+        if int(union.sum()) <= cap:
+            return union
+        keep = torch.zeros(length, dtype=torch.bool, device=device)
+        keep[: self.sink_tokens] = True
+        keep[length - self.recent_window(cap) :] = True
+        room = cap - int(keep.sum())
+        if room > 0:
+            candidates = torch.where(keep | ~union, float("-inf"), best)
+            top = torch.topk(candidates, room)
+            keep[top.indices[torch.isfinite(top.values)]] = True
+        return keep
+
+    def next_threshold(self, threshold: int, shrinks: list[LayerShrink], retained: int) -> int:
+        """L_evict after a round (Algorithm 1: max with breakpoint + r, doubled when no layer
+        found a breakpoint), and never below what the round left plus a recent window, so that
+        rounds do not fire on consecutive steps."""
+        found = [s.salient_plus_recent for s in shrinks if s.salient_plus_recent is not None]
+        threshold = max([threshold, *found]) if found else 2 * threshold
+        return max(threshold, retained + max(1, self.recent_window(retained)))
+
+    def _error(self, field: str, message: str):
+        raise PolicyConfigError(f"{self.name}.{field}", message)

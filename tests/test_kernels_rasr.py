@@ -1,0 +1,103 @@
+"""Lethe's retained-set decode attention and RASR score update vs its torch oracle.
+
+Without CUDA the kernel runs under Triton's interpreter on CPU tensors (conftest.py).
+"""
+
+import pytest
+import torch
+from kernel_cases import DEVICE, OUT_TOL, make_batch
+from sglang_ext.kernels.rasr import retained_decode, retained_decode_ref, window_scores
+from sglang_ext.kernels.selection_attention import selection_attention_ref
+
+SEQ_LENS = (5, 37, 70)
+MAX_CONTEXT = 96
+
+
+def retained_state(batch, lists, num_rows):
+    """positions/count/scores for every request slot: the batch's rows hold ``lists`` (ascending
+    positions); other rows hold junk a kernel must not touch."""
+    gen = torch.Generator().manual_seed(1)
+    positions = torch.randint(0, 5, (num_rows, MAX_CONTEXT), generator=gen, dtype=torch.int32)
+    count = torch.full((num_rows,), 3, dtype=torch.int32)
+    scores = torch.rand(num_rows, MAX_CONTEXT, generator=gen)
+    for row, kept in zip(batch["req_pool_indices"].tolist(), lists, strict=True):
+        positions[row, : len(kept)] = torch.tensor(kept, dtype=torch.int32)
+        count[row] = len(kept)
+    return positions.to(DEVICE), count.to(DEVICE), scores.to(DEVICE)
+
+
+def run_both(dtype, lists, gamma=0.9):
+    batch, sm_scale = make_batch(dtype, seq_lens=SEQ_LENS, max_context=MAX_CONTEXT)
+    num_rows = batch["req_to_token"].shape[0]
+    positions, count, scores = retained_state(batch, lists, num_rows)
+    scores_ref, before = scores.clone(), scores.clone()
+    logits = torch.empty(len(SEQ_LENS), batch["q"].shape[1], MAX_CONTEXT, device=DEVICE)
+    out = retained_decode(
+        **batch, positions=positions, count=count, scores=scores, sm_scale=sm_scale,
+        gamma=gamma, logits=logits,
+    )  # fmt: skip
+    out_ref = retained_decode_ref(
+        **batch, positions=positions, count=count, scores=scores_ref, sm_scale=sm_scale,
+        gamma=gamma,
+    )  # fmt: skip
+    return batch, before, (out, scores), (out_ref, scores_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_retaining_everything_is_full_attention(dtype):
+    lists = [list(range(n)) for n in SEQ_LENS]
+    batch, _, (out, scores), (_, scores_ref) = run_both(dtype, lists)
+    full, _ = selection_attention_ref(**batch, sm_scale=batch["q"].shape[-1] ** -0.5)
+    torch.testing.assert_close(out, full, **OUT_TOL[dtype])
+    torch.testing.assert_close(scores, scores_ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_retained_lists_match_reference_and_scores_accumulate(dtype):
+    lists = [[0, 4], [0, 1, 2, 3, 20, 30, 36], [0, 1, *range(40, 70)]]
+    batch, before, (out, scores), (out_ref, scores_ref) = run_both(dtype, lists, gamma=0.5)
+    torch.testing.assert_close(out, out_ref, **OUT_TOL[dtype])
+    torch.testing.assert_close(scores, scores_ref, atol=1e-4, rtol=1e-4)
+    for row, kept in zip(batch["req_pool_indices"].tolist(), lists, strict=True):
+        # each query head's probabilities sum to 1 over the retained tokens; old scores halve
+        heads = batch["q"].shape[1]
+        assert scores[row, : len(kept)].sum().item() == pytest.approx(
+            heads + 0.5 * before[row, : len(kept)].sum().item(), rel=1e-3
+        )
+
+
+def test_rows_outside_the_batch_and_padding_are_untouched():
+    batch, sm_scale = make_batch(torch.float16, seq_lens=SEQ_LENS, max_context=MAX_CONTEXT)
+    num_rows = batch["req_to_token"].shape[0]
+    lists = [list(range(n)) for n in SEQ_LENS]
+    positions, count, scores = retained_state(batch, lists, num_rows + 1)
+    count[num_rows] = 0  # the trash row padded entries point at
+    before = scores.clone()
+    state_rows = batch["req_pool_indices"].clone()
+    state_rows[1] = num_rows  # entry 1 plays CUDA-graph padding
+    logits = torch.empty(len(SEQ_LENS), batch["q"].shape[1], MAX_CONTEXT, device=DEVICE)
+    out = retained_decode(
+        **batch, positions=positions, count=count, scores=scores, sm_scale=sm_scale,
+        gamma=0.9, logits=logits, state_rows=state_rows,
+    )  # fmt: skip
+    touched = set(state_rows.tolist()) - {num_rows}
+    for row in range(num_rows + 1):
+        if row not in touched:
+            assert torch.equal(scores[row], before[row]), row
+    assert torch.count_nonzero(out[1]) == 0
+
+
+def test_window_scores_are_causal_and_find_the_matching_key():
+    gen = torch.Generator().manual_seed(2)
+    seq_len, n, heads, dim = 20, 4, 4, 16
+    keys = torch.randn(seq_len, 2, dim, generator=gen)
+    queries = torch.randn(n, heads, dim, generator=gen) * 0.1
+    queries[:, :, :] += 4 * keys[7, 0]  # every head of every query looks for position 7
+    scores = window_scores(queries, keys, seq_len, dim**-0.5)
+    assert scores.sum().item() == pytest.approx(n * heads, rel=1e-5)
+    assert int(scores.argmax()) == 7
+    # position 17 is seen by the queries at 17, 18 and 19, not by the one at 16; the heads of KV
+    # head 0 (2 of 4) find it
+    queries = torch.randn(n, heads, dim, generator=gen) * 0.1 + 4 * keys[17, 0]
+    scores = window_scores(queries, keys, seq_len, dim**-0.5)
+    assert 2.9 * 2 < scores[17].item() <= 3 * 2

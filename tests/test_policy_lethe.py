@@ -1,0 +1,77 @@
+"""Lethe's parameters and its pruning round (Algorithm 1) on plain tensors."""
+
+import pytest
+import torch
+from sglang_ext.policies import PolicyConfigError, build_policy
+from sglang_ext.policies.lethe import Lethe
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("evict_threshold", 0), ("sparse_ratio", 1.0), ("sparse_ratio", float("inf")),
+     ("recent_ratio", 1.0), ("recent_ratio", -0.1), ("sink_tokens", -1), ("segments", 1),
+     ("decay", 0.0), ("decay", 1.5)],
+)  # fmt: skip
+def test_out_of_range_parameters_name_the_field(field, value):
+    with pytest.raises(PolicyConfigError) as error:
+        build_policy("lethe", {field: value})
+    assert error.value.field == f"lethe.{field}"
+
+
+def test_defaults_are_the_papers():
+    policy = build_policy("lethe")
+    assert (policy.sparse_ratio, policy.recent_ratio) == (400.0, 0.3)
+
+
+def test_sparse_scores_keep_salient_sink_and_recent_tokens():
+    policy = Lethe(sparse_ratio=400.0, recent_ratio=0.1, sink_tokens=2, segments=10)
+    n = 100
+    positions = torch.arange(n, dtype=torch.int32)
+    scores = torch.full((n,), 1e-6)
+    salient = [10, 40, 41, 77]
+    scores[salient] = torch.tensor([1.0, 0.8, 0.5, 0.9])
+    shrink = policy.shrink_layer(positions, scores)
+    kept = positions[shrink.keep].tolist()
+    # the first cut (10 tokens) is where scores dropped by more than 400x: the top 10 stay, which
+    # are the 4 salient tokens and 6 of the flat rest in stable order (the lowest positions)
+    recent = list(range(90, 100))
+    assert set(salient) <= set(kept) and set(recent) <= set(kept) and {0, 1} <= set(kept)
+    assert kept == sorted({*range(6), *salient, *recent})
+    assert shrink.salient_plus_recent == 10 + 10
+
+
+def test_flat_scores_have_no_breakpoint_and_keep_everything():
+    policy = Lethe()
+    positions = torch.arange(50, dtype=torch.int32)
+    shrink = policy.shrink_layer(positions, torch.rand(50) + 1.0)
+    assert bool(shrink.keep.all()) and shrink.salient_plus_recent is None
+
+
+def test_threshold_follows_algorithm_1_and_never_refires_at_once():
+    policy = Lethe(evict_threshold=100, recent_ratio=0.3)
+    found = Lethe().shrink_layer(torch.arange(4), torch.tensor([1.0, 1e-5, 1e-5, 1e-5]))
+    none = Lethe().shrink_layer(torch.arange(4), torch.ones(4))
+    assert policy.next_threshold(100, [none, none], retained=20) == 200  # doubled
+    assert policy.next_threshold(100, [found, none], retained=20) == 100  # max(L, bp + r)
+    # what the round left (150) plus its recent window (45)
+    assert policy.next_threshold(100, [found], retained=150) == 195
+
+
+def test_union_is_capped_by_best_score_with_sink_and_recent_kept():
+    policy = Lethe(max_kv_ratio=0.3, recent_ratio=0.3, sink_tokens=2)
+    length = 40
+    everything = torch.arange(length)
+    flat = torch.ones(length)  # a layer that kept everything
+    peaked = torch.full((length,), 1e-3)
+    peaked[[7, 19]] = 1.0
+    keep = policy.cap_union([everything, everything], [flat, peaked], length)
+    cap = 12  # 0.3 x 40
+    recent = list(range(40 - 4, 40))  # 0.3 x 12, rounded up
+    kept = everything[keep].tolist()
+    assert len(kept) == cap and {0, 1, 7, 19, *recent} <= set(kept)
+
+
+def test_union_under_the_cap_is_left_alone():
+    policy = Lethe(max_kv_ratio=1.0)
+    keep = policy.cap_union([torch.tensor([0, 5]), torch.tensor([5, 9])], [torch.ones(2)] * 2, 10)
+    assert torch.nonzero(keep).flatten().tolist() == [0, 5, 9]
