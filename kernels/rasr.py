@@ -123,7 +123,9 @@ def retained_decode_ref(
     return out
 
 
-def window_scores(queries: torch.Tensor, keys: torch.Tensor, seq_len: int, sm_scale: float):
+def window_scores(
+    queries: torch.Tensor, keys: torch.Tensor, seq_len: int, sm_scale: float, pool: int = 1
+) -> torch.Tensor:
     """The attention the last prompt tokens pay to each of a request's tokens, summed over query
     heads and those queries, causal (Lethe Eq. 2 over a prefill's observation window).
 
@@ -138,4 +140,11 @@ def window_scores(queries: torch.Tensor, keys: torch.Tensor, seq_len: int, sm_sc
     query_pos = torch.arange(seq_len - n, seq_len, device=queries.device)
     future = torch.arange(seq_len, device=queries.device)[None, :] > query_pos[:, None]
     logits = logits.masked_fill(future, float("-inf"))
-    return torch.softmax(logits, dim=-1).sum(dim=(0, 1))
+    received = torch.softmax(logits, dim=-1).sum(dim=(0, 1))
+    if pool > 1:
+        # A question attends to a record's key, its answer then needs the value beside it: each
+        # token also gets its neighbours' best score (SnapKV's clustering, by max).
+        received = torch.nn.functional.max_pool1d(
+            received[None, None], pool, stride=1, padding=pool // 2
+        )[0, 0, :seq_len]
+    return received

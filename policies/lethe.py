@@ -59,6 +59,7 @@ class Lethe(KVPolicy):
     decay: float = 0.95  # gamma of RASR
     max_kv_ratio: float = 0.3  # a round leaves at most this fraction of a request's tokens' KV
     observation_window: int = 32  # the last prompt tokens whose attention seeds the scores
+    observation_pool: int = 9  # odd: a seeded score is the best of the token and its neighbours
 
     def validate(self) -> None:
         if self.evict_threshold < 1:
@@ -76,6 +77,10 @@ class Lethe(KVPolicy):
         if self.observation_window < 0:
             self._error(
                 "observation_window", f"must be >= 0, got {self.observation_window}"
+            )
+        if self.observation_pool < 1 or self.observation_pool % 2 == 0:
+            self._error(
+                "observation_pool", f"must be an odd number >= 1, got {self.observation_pool}"
             )
         if not 0 < self.max_kv_ratio <= 1:
             self._error("max_kv_ratio", f"must be in (0, 1], got {self.max_kv_ratio}")

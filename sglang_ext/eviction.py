@@ -166,7 +166,7 @@ class LetheRuntime:
             start += extend_len
             slots = self.ctx.req_to_token[row, :seq_len].long()
             self.scores[lid, row, :seq_len] = rasr.window_scores(
-                queries, k_buffer[slots], seq_len, layer.scaling
+                queries, k_buffer[slots], seq_len, layer.scaling, self.policy.observation_pool
             )
 
     def prune(self, req, row: int, length: int, allocator) -> None:
