@@ -120,6 +120,16 @@ class Lethe(KVPolicy):
         keep[top_indices[:breakpoint]] = True
         return LayerShrink(keep, breakpoint + recent)
 
+    def round_cap(self, length: int) -> int:
+        """The most positions of ``length`` a round leaves."""
+        return max(self.sink_tokens + 1, math.ceil(self.max_kv_ratio * length))
+
+    def expected_kv(self, total_tokens: int) -> int:
+        """The most KV a request of ``total_tokens`` (prompt and generation) is expected to hold:
+        rounds leave ``max_kv_ratio`` of it, and it grows by a recent window before the next."""
+        growing = math.ceil(self.round_cap(total_tokens) * (1 + self.recent_ratio))
+        return min(total_tokens, max(self.evict_threshold, growing))
+
     def cap_union(self, kept: list[torch.Tensor], scores: list[torch.Tensor], length: int):
         """Which of ``length`` positions the request's KV keeps after a round: every position a
         layer kept (``kept[l]`` with ``scores[l]``), cut to ``max_kv_ratio`` of ``length`` when
@@ -132,7 +142,7 @@ class Lethe(KVPolicy):
             best[layer, positions.long()] = layer_scores / total
         best = best.amax(0)
         union = torch.isfinite(best)
-        cap = max(self.sink_tokens + 1, math.ceil(self.max_kv_ratio * length))
+        cap = self.round_cap(length)
         if int(union.sum()) <= cap:
             return union
         keep = torch.zeros(length, dtype=torch.bool, device=device)

@@ -71,6 +71,7 @@ class EvictionStats:
 
 STATS = EvictionStats()
 _installed = False
+RUNTIMES: list[LetheRuntime] = []  # this process's (one per attention backend), for the scheduler
 
 
 class LetheRuntime:
@@ -78,6 +79,7 @@ class LetheRuntime:
 
     def __init__(self, policy, ctx):
         self.policy, self.ctx = policy, ctx
+        RUNTIMES.append(self)
         rows, cap = ctx.req_to_token.shape
         self.trash_row = rows  # padded batch entries (CUDA graphs) write here, read nothing
         shape = (ctx.num_layers, rows + 1, cap)
@@ -214,6 +216,24 @@ class LetheRuntime:
             allocator.available_size(), retained, req.cache_protected_len, state.threshold,
             per_layer,
         )  # fmt: skip
+
+
+    def prune_under_pressure(self, reqs, seq_lens: list[int], allocator) -> int:
+        """Rounds now, whatever the thresholds, for each request that holds more than a round
+        would leave; ``seq_lens`` count the cached tokens (all in the lists). Slots freed."""
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize()  # the last decode step may still be appending to the lists
+        freed = 0
+        for req, length in zip(reqs, seq_lens, strict=True):
+            state = getattr(req, STATE_ATTR, None)
+            if state is None or req.req_pool_idx is None:
+                continue
+            held_past_radix = length - state.evicted - req.cache_protected_len
+            if held_past_radix > self.policy.round_cap(length):
+                before = state.evicted
+                self.prune(req, req.req_pool_idx, length, allocator)
+                freed += state.evicted - before
+        return freed
 
 
 def due_for_round(reqs, seq_lens_cpu) -> list[tuple]:

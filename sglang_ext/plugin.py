@@ -9,7 +9,7 @@ def register() -> None:
         register_attention_backend,
     )
 
-    from sglang_ext import cache_correction, eviction
+    from sglang_ext import cache_correction, eviction, scheduler
     from sglang_ext.backend import POLICY_BASES, policy_backend_factory
     from sglang_ext.config import active_policy
 
@@ -24,3 +24,4 @@ def register() -> None:
         cache_correction.install(policy.cache_correction_interval())
     if policy is not None and policy.name == "lethe":
         eviction.install(policy)
+        scheduler.install(policy)
