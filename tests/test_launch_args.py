@@ -56,3 +56,14 @@ def test_decode_backend_override_is_checked(cpu_host):
             parser, ["--attention-backend", "torch_native", "--decode-attention-backend", "flex_attention"]
         )
     assert exit_info.value.code == 2
+
+
+def test_lethe_adds_its_server_defaults_unless_given(cpu_host):
+    from sglang_ext.policies import build_policy
+
+    lethe = build_policy("lethe")
+    argv = launch.sglang_argv(["--model-path", "m"], lethe)
+    assert _value(argv, "--max-running-requests") == "64"
+    assert "--disable-prefill-cuda-graph" in argv
+    argv = launch.sglang_argv(["--model-path", "m", "--max-running-requests=8"], lethe)
+    assert "--max-running-requests" not in argv and "--max-running-requests=8" in argv
