@@ -7,13 +7,15 @@ requests of random input ids, each decoding exactly --output-len tokens.
 
 KV tokens in use are sampled during the run from SGLang's /v1/loads (``num_used_tokens``: KV slots
 held by running requests, not the radix cache's evictable ones), which reads the load snapshot the
-scheduler publishes every --kv-publish-steps decode steps.
+scheduler publishes every --kv-publish-steps decode steps, as is the number of requests running at
+once. Retractions are counted from the server's log (SGLang logs each with ``#retracted_reqs``).
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import re
 import sys
 import threading
 import time
@@ -27,6 +29,7 @@ from benchmarks.harness import EngineServer, Row, RunInfo
 BENCH = "e2e"
 # Logged by sglang_ext.backend when an engine process builds a policy backend.
 POLICY_ACTIVE_LOG = "decoding with policy"
+RETRACTED_LOG = re.compile(r"Retract requests\. #retracted_reqs: (\d+)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +92,7 @@ class KvSampler:
     def __init__(self, url: str, interval_s: float):
         self.url, self.interval_s = url, interval_s
         self.samples: list[tuple[float, int]] = []
+        self.running: list[int] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -108,13 +112,15 @@ class KvSampler:
             ).json()
             tokens = sum(load["num_used_tokens"] for load in loads["loads"])
             self.samples.append((time.perf_counter() - self._start, tokens))
+            self.running.append(sum(load["num_running_reqs"] for load in loads["loads"]))
             self._stop.wait(self.interval_s)
 
 
 def measure(
     url: str, prompts: list[list[int]], output_len: int, interval_s: float
-) -> tuple[float, list]:
-    """Output tokens/s over all requests sent at once, and the KV samples taken meanwhile."""
+) -> tuple[float, KvSampler]:
+    """Output tokens/s over all requests sent at once, and the sampler of KV and running
+    requests meanwhile."""
     generate(url, prompts[0][:16], 4)  # compiles kernels before the clock starts
     with KvSampler(url, interval_s) as sampler, ThreadPoolExecutor(len(prompts)) as pool:
         start = time.perf_counter()
@@ -122,7 +128,7 @@ def measure(
             len(out) for out in pool.map(lambda ids: generate(url, ids, output_len), prompts)
         )
         elapsed = time.perf_counter() - start
-    return tokens / elapsed, sampler.samples
+    return tokens / elapsed, sampler
 
 
 def greedy_match_rows(info: RunInfo, args, greedy: dict[str, list[list[int]]]) -> list[Row]:
@@ -162,7 +168,9 @@ def main(argv: list[str] | None = None) -> None:
             server.wait_ready()
             if policy != harness.VANILLA and not POLICY_ACTIVE_LOG in server.log():
                 raise RuntimeError(f"{policy}: the server did not load the policy; log {log_path}")
-            tok_s, samples = measure(server.url, prompts, args.output_len, args.sample_interval)
+            tok_s, sampler = measure(server.url, prompts, args.output_len, args.sample_interval)
+            samples = sampler.samples
+            retracted = sum(int(n) for n in RETRACTED_LOG.findall(server.log()))
             greedy[policy] = [
                 generate(server.url, ids, GREEDY_CHECK_TOKENS)
                 for ids in prompts[:GREEDY_CHECK_REQUESTS]
@@ -182,6 +190,10 @@ def main(argv: list[str] | None = None) -> None:
             info.row(
                 **point, metric="mean_kv_tokens_in_use", value=sum(kv_tokens) / len(kv_tokens)
             ),
+            info.row(
+                **point, metric="max_running_requests", value=float(max(sampler.running or [0]))
+            ),
+            info.row(**point, metric="retracted_requests", value=float(retracted)),
         ]
         print(
             f"{BENCH}: {policy}: {tok_s:.1f} output tok/s, peak KV {max(kv_tokens)} tokens",
