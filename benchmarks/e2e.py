@@ -9,17 +9,27 @@ KV tokens in use are sampled during the run from SGLang's /v1/loads (``num_used_
 held by running requests, not the radix cache's evictable ones), which reads the load snapshot the
 scheduler publishes every --kv-publish-steps decode steps, as is the number of requests running at
 once. Retractions are counted from the server's log (SGLang logs each with ``#retracted_reqs``).
+The same snapshot's decode-step counter gives the x axis of KV in use against generated tokens: a
+request running from the first step has generated one token per step.
+
+A run too long for one sitting can be split by policy: with --partial-dir, each policy's
+measurement is saved there, and every call reports all policies found there (the same --shape,
+--requests, --input-len and --output-len), vanilla's as the baseline.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import random
 import re
 import sys
 import threading
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import requests
 
@@ -49,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="of the random input ids (same for every policy)"
+    )
+    parser.add_argument(
+        "--partial-dir",
+        type=Path,
+        help="save each policy's measurement here and report every policy saved here",
     )
     return parser
 
@@ -86,18 +101,27 @@ def generate(url: str, input_ids: list[int], output_len: int) -> list[int]:
     return response.json()["output_ids"]
 
 
+@dataclasses.dataclass
+class KvSample:
+    seconds: float
+    kv_tokens: int  # KV slots held by running requests
+    running: int
+    decode_steps: int  # since the sampler started
+    generated: int  # tokens, all requests, since the sampler started
+
+
 class KvSampler:
-    """Polls the server's KV tokens in use from a thread: (seconds since start, tokens) samples."""
+    """Polls the server's load snapshot from a thread while requests run."""
 
     def __init__(self, url: str, interval_s: float):
         self.url, self.interval_s = url, interval_s
-        self.samples: list[tuple[float, int]] = []
-        self.running: list[int] = []
+        self.samples: list[KvSample] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> KvSampler:
         self._start = time.perf_counter()
+        self._steps0, self._generated0 = self._decode_counters(self._loads())
         self._thread.start()
         return self
 
@@ -105,15 +129,42 @@ class KvSampler:
         self._stop.set()
         self._thread.join()
 
+    def _loads(self) -> list[dict]:
+        return requests.get(f"{self.url}/v1/loads", params={"include": "core"}, timeout=10).json()[
+            "loads"
+        ]
+
+    @staticmethod
+    def _decode_counters(loads: list[dict]) -> tuple[int, int]:
+        # decode_moments: [steps, sum batch, sum step us, sum batch^2, sum batch*us, generated]
+        moments = [load.get("decode_moments") or [0.0] * 6 for load in loads]
+        return int(max(m[0] for m in moments)), int(sum(m[5] for m in moments))
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            loads = requests.get(
-                f"{self.url}/v1/loads", params={"include": "core"}, timeout=10
-            ).json()
-            tokens = sum(load["num_used_tokens"] for load in loads["loads"])
-            self.samples.append((time.perf_counter() - self._start, tokens))
-            self.running.append(sum(load["num_running_reqs"] for load in loads["loads"]))
+            loads = self._loads()
+            steps, generated = self._decode_counters(loads)
+            self.samples.append(
+                KvSample(
+                    seconds=time.perf_counter() - self._start,
+                    kv_tokens=sum(load["num_used_tokens"] for load in loads),
+                    running=sum(load["num_running_reqs"] for load in loads),
+                    decode_steps=steps - self._steps0,
+                    generated=generated - self._generated0,
+                )
+            )
             self._stop.wait(self.interval_s)
+
+
+def kv_per_request(samples: list[KvSample]) -> tuple[float, float]:
+    """Peak KV tokens per running request, and its steady value: the median over the run's
+    second half (after the first rounds of eviction, before requests finish)."""
+    per_request = [(s.seconds, s.kv_tokens / s.running) for s in samples if s.running]
+    if not per_request:
+        return 0.0, 0.0
+    half = per_request[-1][0] / 2
+    steady = [kv for t, kv in per_request if t >= half] or [per_request[-1][1]]
+    return max(kv for _, kv in per_request), statistics.median(steady)
 
 
 def measure(
@@ -146,6 +197,85 @@ def greedy_match_rows(info: RunInfo, args, greedy: dict[str, list[list[int]]]) -
     ]  # fmt: skip
 
 
+@dataclasses.dataclass
+class PolicyRun:
+    """One policy's measurement: its rows (no ratios yet), KV samples and greedy tokens."""
+
+    policy: str
+    rows: list[Row]
+    samples: list[KvSample]
+    greedy: list[list[int]]
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(dataclasses.asdict(self)) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> PolicyRun:
+        data = json.loads(path.read_text())
+        return cls(
+            policy=data["policy"],
+            rows=[Row(**row) for row in data["rows"]],
+            samples=[KvSample(**sample) for sample in data["samples"]],
+            greedy=data["greedy"],
+        )
+
+
+def measure_policy(args, policy: str, prompts: list[list[int]], info: RunInfo) -> PolicyRun:
+    port = harness.free_port()
+    log_path = (args.log_dir or args.out_dir) / f"{BENCH}-{args.shape}-{policy}.log"
+    print(f"{BENCH}: {policy} on {args.shape} ({info.device}), log {log_path}", flush=True)
+    with EngineServer(
+        server_argv(args, policy, port), harness.engine_env(), log_path, port
+    ) as server:
+        server.wait_ready()
+        if policy != harness.VANILLA and not POLICY_ACTIVE_LOG in server.log():
+            raise RuntimeError(f"{policy}: the server did not load the policy; log {log_path}")
+        tok_s, sampler = measure(server.url, prompts, args.output_len, args.sample_interval)
+        retracted = sum(int(n) for n in RETRACTED_LOG.findall(server.log()))
+        greedy = [
+            generate(server.url, ids, GREEDY_CHECK_TOKENS)
+            for ids in prompts[:GREEDY_CHECK_REQUESTS]
+        ]
+    samples = sampler.samples
+    kv_tokens = [s.kv_tokens for s in samples] or [0]
+    peak_per_request, steady_per_request = kv_per_request(samples)
+    point = dict(
+        bench=BENCH, policy=policy, model_shape=args.shape, batch=args.requests,
+        context=args.input_len,
+    )  # fmt: skip
+    metrics = {
+        "e2e_output_tok_s": tok_s,
+        "peak_kv_tokens_in_use": float(max(kv_tokens)),
+        "mean_kv_tokens_in_use": sum(kv_tokens) / len(kv_tokens),
+        "peak_kv_tokens_per_request": peak_per_request,
+        "steady_kv_tokens_per_request": steady_per_request,
+        "max_running_requests": float(max((s.running for s in samples), default=0)),
+        "retracted_requests": float(retracted),
+    }
+    print(
+        f"{BENCH}: {policy}: {tok_s:.1f} output tok/s, peak KV {max(kv_tokens)} tokens, "
+        f"{retracted} retracted",
+        flush=True,
+    )
+    return PolicyRun(
+        policy=policy,
+        rows=[info.row(**point, metric=name, value=value) for name, value in metrics.items()],
+        samples=samples,
+        greedy=greedy,
+    )
+
+
+def partial_path(args, policy: str) -> Path:
+    run = f"{harness.run_label(args)}-{args.requests}x{args.input_len}+{args.output_len}"
+    return args.partial_dir / f"{BENCH}-partial-{run}-{policy}.json"
+
+
+def saved_runs(args) -> list[PolicyRun]:
+    """Every policy saved under --partial-dir for this run's shape and sizes, vanilla first."""
+    runs = [PolicyRun.load(path) for path in sorted(args.partial_dir.glob(partial_path(args, "*").name))]
+    return sorted(runs, key=lambda run: run.policy != harness.VANILLA)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if any(policy != harness.VANILLA for policy in args.policies):
@@ -154,57 +284,23 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(args.requests)]
     info = RunInfo.detect()
-    log_dir = args.log_dir or args.out_dir
-    rows: list[Row] = []
-    kv_timelines: dict[str, list[tuple[float, int]]] = {}
-    greedy: dict[str, list[list[int]]] = {}
+    runs = []
     for policy in args.policies:
-        port = harness.free_port()
-        log_path = log_dir / f"{BENCH}-{args.shape}-{policy}.log"
-        print(f"{BENCH}: {policy} on {args.shape} ({info.device}), log {log_path}", flush=True)
-        with EngineServer(
-            server_argv(args, policy, port), harness.engine_env(), log_path, port
-        ) as server:
-            server.wait_ready()
-            if policy != harness.VANILLA and not POLICY_ACTIVE_LOG in server.log():
-                raise RuntimeError(f"{policy}: the server did not load the policy; log {log_path}")
-            tok_s, sampler = measure(server.url, prompts, args.output_len, args.sample_interval)
-            samples = sampler.samples
-            retracted = sum(int(n) for n in RETRACTED_LOG.findall(server.log()))
-            greedy[policy] = [
-                generate(server.url, ids, GREEDY_CHECK_TOKENS)
-                for ids in prompts[:GREEDY_CHECK_REQUESTS]
-            ]
-        kv_timelines[policy] = samples
-        kv_tokens = [tokens for _, tokens in samples] or [0]
-        point = dict(
-            bench=BENCH,
-            policy=policy,
-            model_shape=args.shape,
-            batch=args.requests,
-            context=args.input_len,
-        )
-        rows += [
-            info.row(**point, metric="e2e_output_tok_s", value=tok_s),
-            info.row(**point, metric="peak_kv_tokens_in_use", value=float(max(kv_tokens))),
-            info.row(
-                **point, metric="mean_kv_tokens_in_use", value=sum(kv_tokens) / len(kv_tokens)
-            ),
-            info.row(
-                **point, metric="max_running_requests", value=float(max(sampler.running or [0]))
-            ),
-            info.row(**point, metric="retracted_requests", value=float(retracted)),
-        ]
-        print(
-            f"{BENCH}: {policy}: {tok_s:.1f} output tok/s, peak KV {max(kv_tokens)} tokens",
-            flush=True,
-        )
-    rows += greedy_match_rows(info, args, greedy)
+        run = measure_policy(args, policy, prompts, info)
+        if args.partial_dir:
+            args.partial_dir.mkdir(parents=True, exist_ok=True)
+            run.save(partial_path(args, policy))
+        runs.append(run)
+    if args.partial_dir:
+        runs = saved_runs(args)
+    rows = [row for run in runs for row in run.rows]
+    rows += greedy_match_rows(info, args, {run.policy: run.greedy for run in runs})
     harness.add_baseline_ratios(rows)
     json_path = harness.save_results(
         BENCH, harness.run_label(args), rows, info, args.out_dir, args.results_md
     )
-    print(f"plot: {plot.plot_e2e(rows, kv_timelines, json_path.with_suffix('.png'))}")
+    timelines = {run.policy: run.samples for run in runs}
+    print(f"plot: {plot.plot_e2e(rows, timelines, json_path.with_suffix('.png'))}")
 
 
 if __name__ == "__main__":

@@ -58,22 +58,30 @@ def plot_decode_step(
     return path
 
 
-def plot_e2e(
-    rows: list[Row], kv_timelines: dict[str, list[tuple[float, int]]], path: Path
-) -> Path | None:
-    """KV tokens in use over each policy's run, and output throughput per policy."""
+def plot_e2e(rows: list[Row], kv_timelines: dict[str, list], path: Path) -> Path | None:
+    """KV tokens in use, all requests and per running request, against the tokens a request
+    has generated (decode steps since the first request: the paper's Fig. 4), and output
+    throughput per policy. Timelines hold benchmarks.e2e.KvSample."""
     throughput = {
         r.policy: r.value for r in rows if r.metric == "e2e_output_tok_s" and r.value is not None
     }
     if not throughput:
         return None
-    fig, (kv_ax, tput_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (kv_ax, per_request_ax, tput_ax) = plt.subplots(1, 3, figsize=(15, 3.8))
     for policy, samples in kv_timelines.items():
-        if samples:
-            kv_ax.plot(*zip(*samples), label=policy)
-    kv_ax.set(title="KV tokens in use", xlabel="time since first request (s)", ylabel="tokens")
-    kv_ax.grid(alpha=0.3)
-    kv_ax.legend()
+        running = [s for s in samples if s.running]
+        kv_ax.plot([s.decode_steps for s in samples], [s.kv_tokens for s in samples], label=policy)
+        per_request_ax.plot(
+            [s.decode_steps for s in running],
+            [s.kv_tokens / s.running for s in running],
+            label=policy,
+        )
+    xlabel = "tokens generated per request (decode steps)"
+    kv_ax.set(title="KV tokens in use", xlabel=xlabel, ylabel="tokens")
+    per_request_ax.set(title="KV tokens per running request", xlabel=xlabel, ylabel="tokens")
+    for ax in (kv_ax, per_request_ax):
+        ax.grid(alpha=0.3)
+        ax.legend()
     tput_ax.bar(list(throughput), list(throughput.values()))
     tput_ax.set(title="output throughput", ylabel="tokens/s")
     tput_ax.grid(alpha=0.3, axis="y")
