@@ -25,8 +25,8 @@ import json
 import random
 import re
 import sys
-import threading
 import statistics
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -157,14 +157,16 @@ class KvSampler:
 
 
 def kv_per_request(samples: list[KvSample]) -> tuple[float, float]:
-    """Peak KV tokens per running request, and its steady value: the median over the run's
-    second half (after the first rounds of eviction, before requests finish)."""
+    """Peak KV tokens per running request (the 99th percentile over samples: a sample taken
+    while requests are being prefilled counts their KV but not them) and its steady value: the
+    median over the run's second half (after the first rounds of eviction)."""
     per_request = [(s.seconds, s.kv_tokens / s.running) for s in samples if s.running]
-    if not per_request:
-        return 0.0, 0.0
+    if len(per_request) < 2:
+        return (per_request[0][1],) * 2 if per_request else (0.0, 0.0)
     half = per_request[-1][0] / 2
-    steady = [kv for t, kv in per_request if t >= half] or [per_request[-1][1]]
-    return max(kv for _, kv in per_request), statistics.median(steady)
+    steady = [kv for t, kv in per_request if t >= half]
+    peak = statistics.quantiles([kv for _, kv in per_request], n=100)[98]
+    return peak, statistics.median(steady)
 
 
 def measure(
@@ -199,10 +201,14 @@ def greedy_match_rows(info: RunInfo, args, greedy: dict[str, list[list[int]]]) -
 
 @dataclasses.dataclass
 class PolicyRun:
-    """One policy's measurement: its rows (no ratios yet), KV samples and greedy tokens."""
+    """One policy's measurement, as taken: rows are derived from it when reported."""
 
     policy: str
-    rows: list[Row]
+    device: str
+    sglang_version: str
+    date: str
+    output_tok_s: float
+    retracted: int
     samples: list[KvSample]
     greedy: list[list[int]]
 
@@ -212,12 +218,32 @@ class PolicyRun:
     @classmethod
     def load(cls, path: Path) -> PolicyRun:
         data = json.loads(path.read_text())
-        return cls(
-            policy=data["policy"],
-            rows=[Row(**row) for row in data["rows"]],
-            samples=[KvSample(**sample) for sample in data["samples"]],
-            greedy=data["greedy"],
-        )
+        data["samples"] = [KvSample(**sample) for sample in data["samples"]]
+        return cls(**data)
+
+    def rows(self, args) -> list[Row]:
+        samples = self.samples
+        kv_tokens = [s.kv_tokens for s in samples] or [0]
+        running = [s.running for s in samples] or [0]
+        peak_per_request, steady_per_request = kv_per_request(samples)
+        metrics = {
+            "e2e_output_tok_s": self.output_tok_s,
+            "peak_kv_tokens_in_use": float(max(kv_tokens)),
+            "mean_kv_tokens_in_use": statistics.fmean(kv_tokens),
+            "peak_kv_tokens_per_request": peak_per_request,
+            "steady_kv_tokens_per_request": steady_per_request,
+            "max_running_requests": float(max(running)),
+            "mean_running_requests": statistics.fmean(running),
+            "retracted_requests": float(self.retracted),
+        }
+        return [
+            Row(
+                bench=BENCH, policy=self.policy, model_shape=args.shape, batch=args.requests,
+                context=args.input_len, metric=name, value=value, device=self.device,
+                sglang_version=self.sglang_version, date=self.date,
+            )
+            for name, value in metrics.items()
+        ]  # fmt: skip
 
 
 def measure_policy(args, policy: str, prompts: list[list[int]], info: RunInfo) -> PolicyRun:
@@ -236,43 +262,22 @@ def measure_policy(args, policy: str, prompts: list[list[int]], info: RunInfo) -
             generate(server.url, ids, GREEDY_CHECK_TOKENS)
             for ids in prompts[:GREEDY_CHECK_REQUESTS]
         ]
-    samples = sampler.samples
-    kv_tokens = [s.kv_tokens for s in samples] or [0]
-    peak_per_request, steady_per_request = kv_per_request(samples)
-    point = dict(
-        bench=BENCH, policy=policy, model_shape=args.shape, batch=args.requests,
-        context=args.input_len,
-    )  # fmt: skip
-    metrics = {
-        "e2e_output_tok_s": tok_s,
-        "peak_kv_tokens_in_use": float(max(kv_tokens)),
-        "mean_kv_tokens_in_use": sum(kv_tokens) / len(kv_tokens),
-        "peak_kv_tokens_per_request": peak_per_request,
-        "steady_kv_tokens_per_request": steady_per_request,
-        "max_running_requests": float(max((s.running for s in samples), default=0)),
-        "retracted_requests": float(retracted),
-    }
-    print(
-        f"{BENCH}: {policy}: {tok_s:.1f} output tok/s, peak KV {max(kv_tokens)} tokens, "
-        f"{retracted} retracted",
-        flush=True,
-    )
+    print(f"{BENCH}: {policy}: {tok_s:.1f} output tok/s, {retracted} retracted", flush=True)
     return PolicyRun(
-        policy=policy,
-        rows=[info.row(**point, metric=name, value=value) for name, value in metrics.items()],
-        samples=samples,
-        greedy=greedy,
-    )
+        policy=policy, device=info.device, sglang_version=info.sglang_version, date=info.date,
+        output_tok_s=tok_s, retracted=retracted, samples=sampler.samples, greedy=greedy,
+    )  # fmt: skip
 
 
 def partial_path(args, policy: str) -> Path:
-    run = f"{harness.run_label(args)}-{args.requests}x{args.input_len}+{args.output_len}"
+    run = f"{harness.run_label(args)}-{args.requests}x{args.input_len}-{args.output_len}"
     return args.partial_dir / f"{BENCH}-partial-{run}-{policy}.json"
 
 
 def saved_runs(args) -> list[PolicyRun]:
     """Every policy saved under --partial-dir for this run's shape and sizes, vanilla first."""
-    runs = [PolicyRun.load(path) for path in sorted(args.partial_dir.glob(partial_path(args, "*").name))]
+    paths = sorted(args.partial_dir.glob(partial_path(args, "*").name))
+    runs = [PolicyRun.load(path) for path in paths]
     return sorted(runs, key=lambda run: run.policy != harness.VANILLA)
 
 
@@ -293,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
         runs.append(run)
     if args.partial_dir:
         runs = saved_runs(args)
-    rows = [row for run in runs for row in run.rows]
+    rows = [row for run in runs for row in run.rows(args)]
     rows += greedy_match_rows(info, args, {run.policy: run.greedy for run in runs})
     harness.add_baseline_ratios(rows)
     json_path = harness.save_results(

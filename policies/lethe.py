@@ -127,8 +127,7 @@ class Lethe(KVPolicy):
     def expected_kv(self, total_tokens: int) -> int:
         """The most KV a request of ``total_tokens`` (prompt and generation) is expected to hold:
         rounds leave ``max_kv_ratio`` of it, and it grows by a recent window before the next."""
-        growing = math.ceil(self.round_cap(total_tokens) * (1 + self.recent_ratio))
-        return min(total_tokens, max(self.evict_threshold, growing))
+        return min(total_tokens, self._budget_trigger(total_tokens))
 
     def cap_union(self, kept: list[torch.Tensor], scores: list[torch.Tensor], length: int):
         """Which of ``length`` positions the request's KV keeps after a round: every position a
@@ -155,13 +154,22 @@ class Lethe(KVPolicy):
             keep[top.indices[torch.isfinite(top.values)]] = True
         return keep
 
-    def next_threshold(self, threshold: int, shrinks: list[LayerShrink], retained: int) -> int:
-        """L_evict after a round (Algorithm 1: max with breakpoint + r, doubled when no layer
-        found a breakpoint), and never below what the round left plus a recent window, so that
-        rounds do not fire on consecutive steps."""
+    def next_threshold(
+        self, threshold: int, shrinks: list[LayerShrink], retained: int, length: int
+    ) -> int:
+        """L_evict after a round at ``length`` positions (Algorithm 1: max with breakpoint + r,
+        doubled when no layer found a breakpoint). Under a KV budget (max_kv_ratio < 1) it is
+        capped where ``expected_kv`` says the request may grow to, so that the scheduler's count
+        holds: flat attention (no breakpoint) would otherwise double it round after round. Never
+        below what the round left plus a recent window, so that rounds do not fire at once."""
         found = [s.salient_plus_recent for s in shrinks if s.salient_plus_recent is not None]
         threshold = max([threshold, *found]) if found else 2 * threshold
+        if self.max_kv_ratio < 1:
+            threshold = min(threshold, self._budget_trigger(length))
         return max(threshold, retained + max(1, self.recent_window(retained)))
+
+    def _budget_trigger(self, length: int) -> int:
+        return max(self.evict_threshold, math.ceil(self.round_cap(length) * (1 + self.recent_ratio)))
 
     def _error(self, field: str, message: str):
         raise PolicyConfigError(f"{self.name}.{field}", message)

@@ -8,7 +8,7 @@ to every layer's list; the decode attention reads only the list (``kernels.rasr`
 Memory: SGLang keeps its own view of a request (``seq_lens``, ``req_to_token``, the true
 positions for RoPE) unchanged; a slot freed by a round leaves a hole, slot 0, in the request's
 ``req_to_token`` row. Slot 0 is SGLang's padding slot: never allocated, so a hole is never
-attended and never a real slot. Three SGLang hooks (``sglang.srt.plugins.HookRegistry``):
+attended and never a real slot. SGLang hooks (``sglang.srt.plugins.HookRegistry``):
 - after ``ForwardBatch.init_new`` (which still sees the scheduler's requests): a prefill resets a
   request's host-side eviction state; a decode batch gets a plan of the requests whose retained
   KV passed their threshold, from host counters only;
@@ -21,11 +21,15 @@ attended and never a real slot. Three SGLang hooks (``sglang.srt.plugins.HookReg
   allocated length past the radix prefix), the slots they had evicted are taken off, so the check
   stays exact: available + evictable + protected + held == total.
 
-Radix cache: positions before ``req.cache_protected_len`` belong to the radix tree (a shared
-prefix); they are exempt: a layer may stop attending to them, but their slots are never freed
-under this request. A request that lost a slot is not inserted into the tree when it finishes
-(``skip_radix_cache_insert``): its row has holes. A retracted request is prefilled again from its
-tokens, which resets everything.
+Radix cache: positions before ``req.cache_protected_len`` belong to the radix tree (a prefix
+matched at admission, shared); they are exempt: a layer may stop attending to them, but their
+slots are never freed under this request. The request's own prompt stays its own: SGLang would
+insert it into the tree right after its prefill (``maybe_cache_unfinished_req``), which would
+make it exempt too, so another hook skips that insertion for lethe requests (chunks of a prompt
+longer than ``--chunked-prefill-size`` are still inserted between chunks, as SGLang's chunked
+prefill needs, and stay exempt). A request that lost a slot is not inserted into the tree when it
+finishes (``skip_radix_cache_insert``): its row has holes; one that lost none is inserted then, as
+usual. A retracted request is prefilled again from its tokens, which resets everything.
 
 A round reads its request's lists back to the host (syncs), like SGLang's own retraction does;
 decode steps without a round stay free of host syncs and keep their CUDA graph.
@@ -46,6 +50,7 @@ HOLE = 0  # SGLang's padding slot, never allocated: marks an evicted position in
 _INIT_NEW = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 _FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 _FREE = "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.free"
+_CACHE_UNFINISHED = "sglang.srt.mem_cache.common.maybe_cache_unfinished_req"
 _UNCACHED = (
     "sglang.srt.managers.scheduler_components.invariant_checker."
     "SchedulerInvariantChecker._get_total_uncached_sizes"
@@ -87,6 +92,7 @@ class LetheRuntime:
         self.scores = torch.zeros(shape, dtype=torch.float32, device=ctx.device)
         self.count = torch.zeros(shape[:2], dtype=torch.int32, device=ctx.device)
         self._arange = torch.arange(cap, dtype=torch.int32, device=ctx.device)
+        self._zero_score = torch.zeros((), dtype=torch.float32, device=ctx.device)
         self._logits = None  # CUDA scratch [max batch, q heads, cap], made on first decode
         size_gb = (self.positions.nbytes + self.scores.nbytes) / 2**30
         logger.info(
@@ -128,7 +134,8 @@ class LetheRuntime:
         real = state_rows != self.trash_row
         at = torch.where(real, counts[state_rows], 0).long()
         self.positions[lid][state_rows, at] = (seq_lens - 1).to(torch.int32)
-        self.scores[lid][state_rows, at] = 0.0
+        # A device zero: a Python scalar would be copied from the host, which CUDA graphs forbid.
+        self.scores[lid].index_put_((state_rows, at), self._zero_score)
         counts[state_rows] = torch.where(real, at + 1, 0).to(torch.int32)
 
     def _logits_buffer(self, q: torch.Tensor) -> torch.Tensor:
@@ -204,7 +211,9 @@ class LetheRuntime:
         state.rounds += 1
         state.retained_per_layer = per_layer
         retained = length - state.evicted
-        state.threshold = self.policy.next_threshold(state.threshold, shrinks, retained)
+        state.threshold = self.policy.next_threshold(
+            state.threshold, shrinks, retained, length
+        )
         if freed.numel() and not getattr(req, "skip_radix_cache_insert", False):
             req.skip_radix_cache_insert = state.skips_radix_insert = True
         STATS.rounds += 1
@@ -294,6 +303,12 @@ def install(policy) -> None:
         )
         return full - evicted, swa
 
+    def keep_prompt_own(cache_unfinished, req, tree_cache, **kwargs):
+        if kwargs.get("chunked") or getattr(req, STATE_ATTR, None) is None:
+            return cache_unfinished(req, tree_cache, **kwargs)
+        return None
+
+    HookRegistry.register(_CACHE_UNFINISHED, keep_prompt_own, HookType.AROUND)
     HookRegistry.register(_INIT_NEW, plan_rounds, HookType.AFTER)
     HookRegistry.register(_UNCACHED, count_evicted, HookType.AFTER)
     HookRegistry.register(_FORWARD, prune_then_forward, HookType.AROUND)

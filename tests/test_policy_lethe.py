@@ -1,5 +1,7 @@
 """Lethe's parameters and its pruning round (Algorithm 1) on plain tensors."""
 
+import math
+
 import pytest
 import torch
 from sglang_ext.policies import PolicyConfigError, build_policy
@@ -48,13 +50,23 @@ def test_flat_scores_have_no_breakpoint_and_keep_everything():
 
 
 def test_threshold_follows_algorithm_1_and_never_refires_at_once():
-    policy = Lethe(evict_threshold=100, recent_ratio=0.3)
+    policy = Lethe(evict_threshold=100, recent_ratio=0.3, max_kv_ratio=1.0)
     found = Lethe().shrink_layer(torch.arange(4), torch.tensor([1.0, 1e-5, 1e-5, 1e-5]))
     none = Lethe().shrink_layer(torch.arange(4), torch.ones(4))
-    assert policy.next_threshold(100, [none, none], retained=20) == 200  # doubled
-    assert policy.next_threshold(100, [found, none], retained=20) == 100  # max(L, bp + r)
+    assert policy.next_threshold(100, [none, none], retained=20, length=101) == 200  # doubled
+    assert policy.next_threshold(100, [found, none], retained=20, length=101) == 100  # max(L, bp + r)
     # what the round left (150) plus its recent window (45)
-    assert policy.next_threshold(100, [found], retained=150) == 195
+    assert policy.next_threshold(100, [found], retained=150, length=300) == 195
+
+
+def test_threshold_under_a_kv_budget_stops_doubling_where_expected_kv_is():
+    policy = Lethe(evict_threshold=1024, recent_ratio=0.3, max_kv_ratio=0.3)
+    none = Lethe().shrink_layer(torch.arange(4), torch.ones(4))  # flat: no breakpoint
+    # Algorithm 1 alone doubles 1024 to 2048, then 4096 to 8192
+    assert policy.next_threshold(1024, [none], retained=308, length=1025) == 1024
+    budget = math.ceil(policy.round_cap(8192) * 1.3)
+    assert policy.next_threshold(4096, [none], retained=2458, length=8192) == budget
+    assert budget == policy.expected_kv(8192) < 4096
 
 
 def test_union_is_capped_by_best_score_with_sink_and_recent_kept():
