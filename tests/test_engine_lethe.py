@@ -130,6 +130,20 @@ def test_abort_mid_stream_after_rounds_leaks_nothing(servers):
     assert_healthy_and_exact(server)
 
 
+def test_radix_prefix_reused_under_rounds_is_never_freed(servers):
+    server = servers["lethe"]
+    prefix = " ".join([STORY] * 4)  # about 80 tokens: finishes under the threshold, no holes
+    first = generate(server, prefix, 8)
+    assert not rounds_of(server, first["meta_info"]["id"])  # inserted whole into the tree
+    longer = generate(server, prefix + " One morning", 300)
+    rounds = rounds_of(server, longer["meta_info"]["id"])
+    assert rounds and all(int(m[8]) >= 64 for m in rounds)  # the cached prefix, exempt
+    assert sum(int(m[4]) for m in rounds) > 0
+    # the tree's slots were not freed under the longer request: the prefix still reads back
+    assert generate(server, prefix, 8)["text"] == first["text"]
+    assert_healthy_and_exact(server)
+
+
 def four_at_once(server) -> list[dict]:
     prompts = [f"{STORY} (story {i})" for i in range(4)]
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
