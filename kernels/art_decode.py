@@ -1,0 +1,369 @@
+"""ART (Attention Run-time Termination) decode attention: stop reading KV tiles once the running
+output is stable in scale and direction.
+
+Each (request, KV head, split) program walks its share of a traversal order tile by tile
+(``TILE`` = 32 virtual tokens, the kernel's inner step), updating the online-softmax output
+as usual. After each tile it probes the running output of its query heads (every
+``probe_stride``-th head dimension) and compares it with the probe after the previous tile:
+d_scale = ||x_t - x_{t-1}||, d_direction = 1 - cos(x_t, x_{t-1}) (ART Eq. 2). A tile is stable
+when every query head of the KV group has d_scale < tau and d_direction < phi; after
+``patience`` consecutive stable tiles the program stops (Eq. 3, Algorithm 1). patience 0
+never stops (the paper's p = infinity). The first ``always_read`` virtual tokens (the base
+policy's sinks, placed at the head of the order) are read before any stop.
+
+Traversal order: implicit recent-first over the whole cache (positions 0 .. always_read-1, then
+seq_len-1 down to always_read), or an explicit per-request list of entries (pages or tokens of a
+base policy's selection, most important first), as split_kv_decode's ``selected``.
+
+Splits, and why: split s of S reads tiles s, s+S, s+2S... of the order (strided, so every
+split starts near the head of the order) and stops on its own; no program waits for another, so
+launches stay graph-safe and parallel, and the splits are merged by log-sum-exp as in any
+split-KV decode (a split that stopped contributes the mass it read). A split alone cannot tell
+that its tiles are negligible next to the others' (its own output, normalised by its own mass,
+keeps moving), so its probe is taken on its output merged with the head tile of the order (tile
+0: the sinks and most recent tokens, or the most important entries), which every split s > 0
+reads once more for that purpose only: the probe's mass is then at most the whole traversal's,
+so a tile's measured change over-estimates its change to the final output (conservative), and
+splits whose tiles carry no mass next to the head stop after ``patience`` tiles. All query heads
+of a KV group share their tiles, so a program stops only when all of its heads are stable.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .split_kv_decode import _stage2, attend_positions_ref
+
+TILE = 32
+_DOT_IN_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _attend_tile(
+    q, K, V, req_row, Order, order_row, tile, length, seq_len, always_read, sm_scale,
+    e_max, e_sum, acc, kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+    mask_h, offs_d, mask_d,
+    BLOCK_N: tl.constexpr, ORDER_SPAN: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+):
+    """One tile of the order folded into an online-softmax state (e_max, e_sum, acc)."""
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_order = offs_n < length
+    if ORDER_SPAN > 0:
+        entry = tl.load(Order + order_row + offs_n // ORDER_SPAN, mask=in_order, other=0)
+        pos = entry * ORDER_SPAN + offs_n % ORDER_SPAN
+    else:
+        pos = tl.where(offs_n < always_read, offs_n, seq_len - 1 - (offs_n - always_read))
+    valid = in_order & (pos < seq_len) & (pos >= 0)
+    slot = tl.load(req_row + pos, mask=valid, other=0).to(tl.int64)
+    k = tl.load(
+        K + slot[None, :] * stride_k_slot + kv_head * stride_k_head + offs_d[:, None],
+        mask=valid[None, :] & mask_d[:, None],
+        other=0.0,
+    )
+    if DOT_IN_FP32:
+        k = k.to(tl.float32)
+    qk = tl.dot(q, k) * sm_scale
+    qk = tl.where(mask_h[:, None] & valid[None, :], qk, float("-inf"))
+    v = tl.load(
+        V + slot[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
+        mask=valid[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    new_max = tl.maximum(e_max, tl.max(qk, 1))
+    # A row with no valid token yet keeps max -inf; shift by 0 then so exp() gives 0, not NaN.
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    rescale = tl.exp(e_max - shift)
+    p = tl.exp(qk - shift[:, None])
+    if DOT_IN_FP32:
+        acc = acc * rescale[:, None] + tl.dot(p, v.to(tl.float32))
+    else:
+        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+    return new_max, e_sum * rescale + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _art_stage1(
+    Q,
+    K,
+    V,
+    ReqToToken,
+    ReqPoolIdx,
+    SeqLens,
+    Order,
+    NumOrder,
+    MidO,
+    MidLse,
+    TilesRead,
+    sm_scale,
+    tau,
+    phi,
+    patience,
+    always_read,
+    stride_qb,
+    stride_qh,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_slot,
+    stride_v_head,
+    stride_r2t,
+    stride_order,
+    stride_mid_b,
+    stride_mid_h,
+    stride_mid_s,
+    stride_lse_b,
+    stride_lse_h,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    ORDER_SPAN: tl.constexpr,
+    PROBE_STRIDE: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+):
+    batch = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < GROUP
+    heads = kv_head * GROUP + offs_h
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    probe = mask_d & (offs_d % PROBE_STRIDE == 0)
+
+    seq_len = tl.load(SeqLens + batch)
+    req_row = ReqToToken + tl.load(ReqPoolIdx + batch).to(tl.int64) * stride_r2t
+    order_row = batch * stride_order
+    if ORDER_SPAN > 0:
+        length = tl.load(NumOrder + batch) * ORDER_SPAN
+    else:
+        length = seq_len
+    num_tiles = tl.cdiv(length, BLOCK_N)
+
+    q = tl.load(
+        Q + batch * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    q = q.to(tl.float32) if DOT_IN_FP32 else q.to(K.dtype.element_ty)
+
+    # The head tile, for the probe only (split 0 reads it as its own first tile).
+    ref_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    ref_sum = tl.zeros([BLOCK_H], tl.float32)
+    ref_acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    if (split > 0) & (patience > 0) & (num_tiles > split):
+        ref_max, ref_sum, ref_acc = _attend_tile(
+            q, K, V, req_row, Order, order_row, 0, length, seq_len, always_read, sm_scale,
+            ref_max, ref_sum, ref_acc, kv_head, stride_k_slot, stride_k_head, stride_v_slot,
+            stride_v_head, mask_h, offs_d, mask_d,
+            BLOCK_N=BLOCK_N, ORDER_SPAN=ORDER_SPAN, DOT_IN_FP32=DOT_IN_FP32,
+        )  # fmt: skip
+
+    e_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    e_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    prev_x = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    stable = 0
+    read = 0
+    tile = split
+    go = tile < num_tiles
+    while go:
+        e_max, e_sum, acc = _attend_tile(
+            q, K, V, req_row, Order, order_row, tile, length, seq_len, always_read, sm_scale,
+            e_max, e_sum, acc, kv_head, stride_k_slot, stride_k_head, stride_v_slot,
+            stride_v_head, mask_h, offs_d, mask_d,
+            BLOCK_N=BLOCK_N, ORDER_SPAN=ORDER_SPAN, DOT_IN_FP32=DOT_IN_FP32,
+        )  # fmt: skip
+        read += 1
+
+        # The probe: the running output merged with the head tile; its change (Eq. 2).
+        top = tl.maximum(e_max, ref_max)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        own, head = tl.exp(e_max - top), tl.exp(ref_max - top)
+        mass = e_sum * own + ref_sum * head
+        merged = (acc * own[:, None] + ref_acc * head[:, None]) / tl.where(mass > 0, mass, 1.0)[:, None]
+        x = tl.where(probe[None, :], merged, 0.0)
+        d_scale = tl.sqrt(tl.sum((x - prev_x) * (x - prev_x), 1))
+        norms = tl.sqrt(tl.sum(x * x, 1)) * tl.sqrt(tl.sum(prev_x * prev_x, 1))
+        cosine = tl.sum(x * prev_x, 1) / tl.maximum(norms, 1e-30)
+        head_stable = ((d_scale < tau) & (1.0 - cosine < phi)) | (offs_h >= GROUP)
+        all_stable = (tl.min(head_stable.to(tl.int32), 0) == 1) & (read > 1)
+        stable = tl.where(all_stable, stable + 1, 0)
+        prev_x = x
+
+        past_sinks = (tile + NUM_SPLITS) * BLOCK_N >= always_read  # none left in this share
+        stop = (patience > 0) & (stable >= patience) & past_sinks
+        tile += NUM_SPLITS
+        go = (tile < num_tiles) & (stop == 0)
+
+    tl.store(TilesRead + (batch * tl.num_programs(1) + kv_head) * NUM_SPLITS + split, read)
+    mid = batch * stride_mid_b + heads * stride_mid_h + split * stride_mid_s
+    has_tokens = e_sum > 0
+    tl.store(
+        MidO + mid[:, None] + offs_d[None, :],
+        acc / tl.where(has_tokens, e_sum, 1.0)[:, None],
+        mask=mask_h[:, None] & mask_d[None, :],
+    )
+    lse = tl.where(has_tokens, e_max + tl.log(tl.where(has_tokens, e_sum, 1.0)), float("-inf"))
+    tl.store(MidLse + batch * stride_lse_b + heads * stride_lse_h + split, lse, mask=mask_h)
+
+
+def art_decode(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    *,
+    tau: float,
+    phi: float,
+    patience: int,
+    always_read: int = 0,
+    probe_stride: int = 1,
+    order: torch.Tensor | None = None,
+    num_order: torch.Tensor | None = None,
+    order_span: int = 1,
+    num_kv_splits: int = 8,
+    out: torch.Tensor | None = None,
+    tiles_read: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ART decode of q [batch, q_heads, dim] (module docstring). Without ``order``: recent-first
+    over each request's whole cache after its first ``always_read`` tokens. With ``order``
+    ([batch, max_entries] int32, most important first) and ``num_order`` ([batch] int32):
+    entry j covers positions order[b, j] * order_span + r, r < order_span.
+
+    Returns (out [batch, q_heads, dim] in q's dtype, tiles_read [batch, kv_heads, splits] int32:
+    the tiles each program read)."""
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    group = num_q_heads // num_kv_heads
+    dev = q.device
+    mid_out = torch.empty(batch, num_q_heads, num_kv_splits, head_dim, dtype=torch.float32, device=dev)
+    mid_lse = torch.empty(batch, num_q_heads, num_kv_splits, dtype=torch.float32, device=dev)
+    lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=dev)
+    out = torch.empty_like(q) if out is None else out
+    if tiles_read is None:
+        tiles_read = torch.empty(batch, num_kv_heads, num_kv_splits, dtype=torch.int32, device=dev)
+    explicit = order is not None
+    order_arg = order if explicit else seq_lens  # unread placeholders keep the signature fixed
+    block_d = triton.next_power_of_2(head_dim)
+    _art_stage1[(batch, num_kv_heads, num_kv_splits)](
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
+        order_arg, num_order if explicit else seq_lens, mid_out, mid_lse, tiles_read,
+        sm_scale, tau, phi, patience, always_read,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0), order_arg.stride(0),
+        mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=TILE,
+        NUM_SPLITS=num_kv_splits, ORDER_SPAN=order_span if explicit else 0,
+        PROBE_STRIDE=probe_stride, DOT_IN_FP32=_DOT_IN_FP32, num_warps=4, num_stages=2,
+    )  # fmt: skip
+    _stage2[(batch, num_q_heads)](
+        mid_out, mid_lse, out, lse,
+        mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1), num_q_heads,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_kv_splits,
+        BLOCK_S=triton.next_power_of_2(num_kv_splits), num_warps=4,
+    )  # fmt: skip
+    return out, tiles_read
+
+
+def traversal_positions(
+    seq_len: int,
+    always_read: int,
+    order: torch.Tensor | None = None,
+    order_span: int = 1,
+) -> torch.Tensor:
+    """The logical positions one request is read in, as art_decode walks them (-1: a padded
+    position past seq_len, read as nothing)."""
+    if order is None:
+        n = torch.arange(seq_len)
+        return torch.where(n < always_read, n, seq_len - 1 - (n - always_read))
+    offsets = torch.arange(order_span)
+    pos = (order.long()[:, None] * order_span + offsets).flatten()
+    return torch.where(pos < seq_len, pos, -1)
+
+
+def art_decode_ref(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    *,
+    tau: float,
+    phi: float,
+    patience: int,
+    always_read: int = 0,
+    probe_stride: int = 1,
+    order: torch.Tensor | None = None,
+    num_order: torch.Tensor | None = None,
+    order_span: int = 1,
+    num_kv_splits: int = 8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch oracle of art_decode (same arguments and returns; fp32; the running output after
+    each tile is the exact softmax over the tokens read so far)."""
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(q)
+    tiles_read = torch.zeros(batch, num_kv_heads, num_kv_splits, dtype=torch.int32)
+    probe = torch.arange(head_dim) % probe_stride == 0
+
+    def attend(b, row, g, heads, positions):
+        """(out, lse) of request b's KV head g over ``positions`` (-1: none), or None."""
+        positions = positions[positions >= 0]
+        if not positions.numel():
+            return None
+        slots = req_to_token[row, positions].long()
+        kv = (k_buffer[:, g : g + 1], v_buffer[:, g : g + 1])
+        o, logits = attend_positions_ref(q[b, heads], *kv, slots, sm_scale)
+        return o, torch.logsumexp(logits, dim=-1)
+
+    for b, (row, seq_len) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
+        entries = None if order is None else order[b, : int(num_order[b])].cpu()
+        positions = traversal_positions(seq_len, always_read, entries, order_span)
+        tiles = list(positions.split(TILE))
+        split_outs, split_lses = [], []
+        for g in range(num_kv_heads):
+            heads = slice(g * group, (g + 1) * group)
+            for s in range(num_kv_splits):
+                read, stable, prev_x, last = [], 0, None, None
+                head = [tiles[0]] if s > 0 and patience > 0 else []
+                for t in range(s, len(tiles), num_kv_splits):
+                    read.append(tiles[t])
+                    own = attend(b, row, g, heads, torch.cat(read))
+                    last = own if own is not None else last
+                    probed = attend(b, row, g, heads, torch.cat(head + read))
+                    x = probed[0][:, probe] if probed else torch.zeros(group, int(probe.sum()))
+                    if prev_x is not None:
+                        d_scale = (x - prev_x).norm(dim=-1)
+                        norms = (x.norm(dim=-1) * prev_x.norm(dim=-1)).clamp_min(1e-30)
+                        d_dir = 1 - (x * prev_x).sum(-1) / norms
+                        stable = stable + 1 if bool(((d_scale < tau) & (d_dir < phi)).all()) else 0
+                    prev_x = x
+                    past_sinks = (t + num_kv_splits) * TILE >= always_read
+                    if patience > 0 and stable >= patience and past_sinks:
+                        break
+                tiles_read[b, g, s] = len(read)
+                if last is not None:
+                    split_outs.append(last[0])
+                    split_lses.append(last[1])
+            if split_outs:
+                weights = torch.softmax(torch.stack(split_lses), dim=0)  # [splits, heads]
+                out[b, heads] = (weights[..., None] * torch.stack(split_outs)).sum(0).to(q.dtype)
+            else:
+                out[b, heads] = 0
+            split_outs, split_lses = [], []
+    return out, tiles_read

@@ -1,0 +1,126 @@
+"""ART's decode kernel against its torch oracle, plain attention, and the truncation bound.
+
+Without CUDA the kernel runs under Triton's interpreter on CPU tensors (conftest.py).
+"""
+
+import math
+
+import pytest
+import torch
+from kernel_cases import DEVICE, OUT_TOL, make_batch
+from sglang_ext.kernels.art_decode import TILE, art_decode, art_decode_ref, traversal_positions
+from sglang_ext.kernels.selection_attention import selection_attention_ref
+from sglang_ext.kernels.sparse_decode import sparse_decode_attention_ref
+from sglang_ext.kernels.split_kv_decode import attend_positions_ref
+
+SEQ_LENS = (1000, 700, 37)
+MAX_CONTEXT = 1024
+SPLITS = 4
+ART = {"tau": 1e-5, "phi": 1e-3, "num_kv_splits": SPLITS}
+
+
+def cache(dtype=torch.float16):
+    return make_batch(dtype, seq_lens=SEQ_LENS, group=2, head_dim=32, max_context=MAX_CONTEXT)
+
+
+def run_both(batch, sm_scale, **params):
+    out, tiles = art_decode(**batch, sm_scale=sm_scale, **ART, **params)
+    out_ref, tiles_ref = art_decode_ref(**batch, sm_scale=sm_scale, **ART, **params)
+    return (out, tiles.cpu()), (out_ref, tiles_ref)
+
+
+def all_tiles(seq_len: int) -> list[int]:
+    """Tiles each split holds when nothing stops it."""
+    tiles = math.ceil(seq_len / TILE)
+    return [len(range(s, tiles, SPLITS)) for s in range(SPLITS)]
+
+
+def heavy_head_tile(batch, always_read: int = 4, boost: float = 60.0):
+    """Keys of every request's head tile (its sinks and most recent tokens) aligned with its
+    queries, so the rest of the cache carries next to no attention mass."""
+    q, k_buffer = batch["q"], batch["k_buffer"]
+    num_kv_heads = k_buffer.shape[1]
+    for b, (row, seq_len) in enumerate(zip(batch["req_pool_indices"], batch["seq_lens"].tolist())):
+        head = traversal_positions(seq_len, always_read)[:TILE]
+        slots = batch["req_to_token"][row, head.to(DEVICE)].long()
+        for g in range(num_kv_heads):
+            direction = q[b].view(num_kv_heads, -1, q.shape[-1])[g].float().mean(0)
+            k_buffer[slots, g] = (boost * direction / direction.norm()).to(k_buffer.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_termination_off_is_plain_attention(dtype):
+    batch, sm_scale = cache(dtype)
+    (out, tiles), (_, tiles_ref) = run_both(batch, sm_scale, patience=0, always_read=4)
+    full, _ = selection_attention_ref(**batch, sm_scale=sm_scale)
+    torch.testing.assert_close(out, full, **OUT_TOL[dtype])
+    for b, seq_len in enumerate(SEQ_LENS):
+        assert tiles[b].tolist() == [all_tiles(seq_len)] * 2 == tiles_ref[b].tolist()
+
+
+def test_stops_early_where_later_tiles_carry_no_mass():
+    batch, sm_scale = cache()
+    heavy_head_tile(batch)
+    (out, tiles), (out_ref, tiles_ref) = run_both(batch, sm_scale, patience=3, always_read=4)
+    assert torch.equal(tiles, tiles_ref)
+    # every split of the long requests stops after 1 + patience tiles
+    assert tiles[0].tolist() == [[4] * SPLITS] * 2 and tiles[1].tolist() == [[4] * SPLITS] * 2
+    assert tiles[2].tolist() == [all_tiles(37)] * 2  # too short to stop
+    torch.testing.assert_close(out, out_ref, **OUT_TOL[torch.float16])
+    full, _ = selection_attention_ref(**batch, sm_scale=sm_scale)
+    torch.testing.assert_close(out, full, **OUT_TOL[torch.float16])
+
+
+def test_error_stays_within_the_truncation_bound():
+    """Where later tiles keep a little mass: ||o_T - o_t*|| <= 2 C_v * (mass not read / total),
+    the sum Theorem 2 bounds by 2 mu C_v ln(T / t*)."""
+    batch, sm_scale = cache(torch.float32)
+    heavy_head_tile(batch, boost=18.0)  # the rest keeps ~e^-12 of the mass per token
+    out, tiles = art_decode(**batch, sm_scale=sm_scale, **ART, patience=2, always_read=4)
+    _, tiles_ref = art_decode_ref(**batch, sm_scale=sm_scale, **ART, patience=2, always_read=4)
+    assert torch.equal(tiles.cpu(), tiles_ref)
+    assert int(tiles[:2].sum()) < sum(2 * sum(all_tiles(n)) for n in SEQ_LENS[:2])
+    full, _ = selection_attention_ref(**batch, sm_scale=sm_scale)
+    c_v = batch["v_buffer"].float().norm(dim=-1).max()
+    for b, (row, seq_len) in enumerate(zip(batch["req_pool_indices"], SEQ_LENS)):
+        slots = batch["req_to_token"][row, :seq_len].long()
+        _, logits = attend_positions_ref(batch["q"][b], batch["k_buffer"], batch["v_buffer"], slots, sm_scale)
+        order = traversal_positions(seq_len, 4).split(TILE)
+        for g in range(2):
+            shares = [range(s, len(order), SPLITS)[: tiles[b, g, s]] for s in range(SPLITS)]
+            read = torch.cat([order[t] for share in shares for t in share]).to(DEVICE)
+            skipped = torch.ones(seq_len, dtype=torch.bool, device=DEVICE)
+            skipped[read] = False
+            for h in (2 * g, 2 * g + 1):
+                unread = torch.softmax(logits[h], dim=-1)[skipped].sum()
+                assert (out[b, h] - full[b, h]).norm() <= 2 * c_v * unread + 1e-5  # fp32 noise
+
+
+def test_sinks_are_read_before_any_stop():
+    batch, sm_scale = cache()
+    heavy_head_tile(batch, always_read=16 * TILE)
+    (_, tiles), (_, tiles_ref) = run_both(batch, sm_scale, patience=1, always_read=16 * TILE)
+    assert torch.equal(tiles, tiles_ref)
+    # patience 1 alone stops after 2 tiles; tiles 0..15 of the order hold sinks: 4 per split
+    assert tiles[0].tolist() == [[4] * SPLITS] * 2
+
+
+@pytest.mark.parametrize("patience", [0, 2])
+def test_an_explicit_page_order_reads_the_selection_in_its_order(patience):
+    batch, sm_scale = cache()
+    gen = torch.Generator().manual_seed(3)
+    pages = [torch.randperm(math.ceil(n / 16), generator=gen)[:24] for n in SEQ_LENS]
+    order = torch.zeros(len(SEQ_LENS), 24, dtype=torch.int32)
+    for b, chosen in enumerate(pages):
+        order[b, : len(chosen)] = chosen
+    num_order = torch.tensor([len(p) for p in pages], dtype=torch.int32)
+    selection = {"order": order.to(DEVICE), "num_order": num_order.to(DEVICE), "order_span": 16}
+    (out, tiles), (out_ref, tiles_ref) = run_both(batch, sm_scale, patience=patience, **selection)
+    assert torch.equal(tiles, tiles_ref)
+    torch.testing.assert_close(out, out_ref, **OUT_TOL[torch.float16])
+    if patience == 0:
+        sparse = sparse_decode_attention_ref(
+            **batch, selected=order.to(DEVICE), num_selected=num_order.to(DEVICE),
+            sm_scale=sm_scale, page_size=16,
+        )  # fmt: skip
+        torch.testing.assert_close(out, sparse, **OUT_TOL[torch.float16])
