@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .split_kv_decode import _stage2, attend_positions_ref
+from .split_kv_decode import _stage2
 
 TILE = 32
 _DOT_IN_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -312,58 +312,71 @@ def art_decode_ref(
     order_span: int = 1,
     num_kv_splits: int = 8,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch oracle of art_decode (same arguments and returns; fp32; the running output after
-    each tile is the exact softmax over the tokens read so far)."""
+    """Torch oracle of art_decode (same arguments and returns; fp32), and the CPU engine's path:
+    every split's running output after each of its tiles is computed at once (cumulative sums
+    under one max), then each split stops where the stability rule first holds."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     group = num_q_heads // num_kv_heads
-    out = torch.empty_like(q)
-    tiles_read = torch.zeros(batch, num_kv_heads, num_kv_splits, dtype=torch.int32)
-    probe = torch.arange(head_dim) % probe_stride == 0
-
-    def attend(b, row, g, heads, positions):
-        """(out, lse) of request b's KV head g over ``positions`` (-1: none), or None."""
-        positions = positions[positions >= 0]
-        if not positions.numel():
-            return None
-        slots = req_to_token[row, positions].long()
-        kv = (k_buffer[:, g : g + 1], v_buffer[:, g : g + 1])
-        o, logits = attend_positions_ref(q[b, heads], *kv, slots, sm_scale)
-        return o, torch.logsumexp(logits, dim=-1)
-
+    splits = num_kv_splits
+    out = torch.zeros_like(q)
+    tiles_read = torch.zeros(batch, num_kv_heads, splits, dtype=torch.int32)
+    probe = torch.arange(head_dim, device=q.device) % probe_stride == 0
     for b, (row, seq_len) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
         entries = None if order is None else order[b, : int(num_order[b])].cpu()
-        positions = traversal_positions(seq_len, always_read, entries, order_span)
-        tiles = list(positions.split(TILE))
-        split_outs, split_lses = [], []
+        positions = traversal_positions(seq_len, always_read, entries, order_span).to(q.device)
+        num_tiles = -(-positions.numel() // TILE)
+        if num_tiles == 0:
+            continue
+        per_split = -(-num_tiles // splits)
+        # [splits, per_split, TILE]: split s holds tiles s, s + splits, ... (-1: nothing)
+        padded = torch.full((per_split * splits * TILE,), -1, device=q.device)
+        padded[: positions.numel()] = positions
+        by_split = padded.view(per_split, splits, TILE).transpose(0, 1)
+        tile_exists = (torch.arange(per_split)[None, :] * splits + torch.arange(splits)[:, None]) < num_tiles
+        valid = by_split >= 0
+        slots = req_to_token[row, by_split.clamp_min(0)].long()
         for g in range(num_kv_heads):
             heads = slice(g * group, (g + 1) * group)
-            for s in range(num_kv_splits):
-                read, stable, prev_x, last = [], 0, None, None
-                head = [tiles[0]] if s > 0 and patience > 0 else []
-                for t in range(s, len(tiles), num_kv_splits):
-                    read.append(tiles[t])
-                    own = attend(b, row, g, heads, torch.cat(read))
-                    last = own if own is not None else last
-                    probed = attend(b, row, g, heads, torch.cat(head + read))
-                    x = probed[0][:, probe] if probed else torch.zeros(group, int(probe.sum()))
-                    if prev_x is not None:
-                        d_scale = (x - prev_x).norm(dim=-1)
-                        norms = (x.norm(dim=-1) * prev_x.norm(dim=-1)).clamp_min(1e-30)
-                        d_dir = 1 - (x * prev_x).sum(-1) / norms
-                        stable = stable + 1 if bool(((d_scale < tau) & (d_dir < phi)).all()) else 0
-                    prev_x = x
-                    past_sinks = (t + num_kv_splits) * TILE >= always_read
-                    if patience > 0 and stable >= patience and past_sinks:
-                        break
-                tiles_read[b, g, s] = len(read)
-                if last is not None:
-                    split_outs.append(last[0])
-                    split_lses.append(last[1])
-            if split_outs:
-                weights = torch.softmax(torch.stack(split_lses), dim=0)  # [splits, heads]
-                out[b, heads] = (weights[..., None] * torch.stack(split_outs)).sum(0).to(q.dtype)
-            else:
-                out[b, heads] = 0
-            split_outs, split_lses = [], []
+            k = k_buffer[slots, g].float()  # [splits, per_split, TILE, dim]
+            v = v_buffer[slots, g].float()
+            logits = torch.einsum("hd,sptd->hspt", q[b, heads].float(), k) * sm_scale
+            logits = logits.masked_fill(~valid, float("-inf"))
+            top = logits.amax(dim=(1, 2, 3), keepdim=True).clamp_min(-1e30)
+            weights = torch.exp(logits - top)  # [heads, splits, per_split, TILE]
+            mass = weights.sum(-1).cumsum(-1)  # [heads, splits, per_split]: after each tile
+            acc = torch.einsum("hspt,sptd->hspd", weights, v).cumsum(2)
+            # the probe: each split's output merged with the order's head tile (splits > 0)
+            with_head = torch.arange(splits, device=q.device) > 0
+            with_head &= patience > 0
+            head_mass = weights[:, 0, 0].sum(-1)  # [heads]
+            head_acc = torch.einsum("ht,td->hd", weights[:, 0, 0], v[0, 0])
+            probe_mass = mass + head_mass[:, None, None] * with_head[None, :, None]
+            probe_acc = acc + head_acc[:, None, None] * with_head[None, :, None, None]
+            x = (probe_acc / probe_mass.clamp_min(1e-30)[..., None])[..., probe]
+            x = torch.where(probe_mass[..., None] > 0, x, 0.0)
+            prev = torch.cat([torch.zeros_like(x[:, :, :1]), x[:, :, :-1]], dim=2)
+            d_scale = (x - prev).norm(dim=-1)
+            cosine = (x * prev).sum(-1) / (x.norm(dim=-1) * prev.norm(dim=-1)).clamp_min(1e-30)
+            stable = ((d_scale < tau) & (1 - cosine < phi)).all(dim=0)  # [splits, per_split]
+            stable[:, 0] = False
+            read = tile_exists.sum(-1).clone()
+            count = torch.zeros(splits, dtype=torch.int64)
+            stopped = torch.zeros(splits, dtype=torch.bool)
+            for t in range(per_split):
+                count = torch.where(stable[:, t].cpu(), count + 1, 0)
+                tile_index = torch.arange(splits) + t * splits
+                past_sinks = (tile_index + splits) * TILE >= always_read
+                stop = (patience > 0) & (count >= patience) & past_sinks & ~stopped & tile_exists[:, t]
+                read = torch.where(stop, t + 1, read)
+                stopped |= stop
+            tiles_read[b, g] = read.int()
+            last = (read - 1).clamp_min(0).to(q.device)
+            took = read.to(q.device) > 0
+            split_mass = mass.gather(2, last.view(1, splits, 1).expand(group, -1, -1))[..., 0] * took
+            split_acc = acc[:, torch.arange(splits), last] * took[None, :, None]
+            total = split_mass.sum(1)
+            out[b, heads] = torch.where(
+                total[:, None] > 0, split_acc.sum(1) / total.clamp_min(1e-30)[:, None], 0.0
+            ).to(q.dtype)
     return out, tiles_read

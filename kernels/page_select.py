@@ -18,11 +18,14 @@ def select_pages(
     budget: int,
     num_recent: int,
     page_size: int = 16,
+    by_importance: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DELTA's choice of K = budget pages with a recency window of L = num_recent pages.
 
     page_scores [batch, max_pages] (entries past a request's last page are ignored) ->
-    (selected [batch, budget] int32, num_selected [batch] int32).
+    (selected [batch, budget] int32, num_selected [batch] int32). ``by_importance`` orders the
+    kept pages for ART's traversal instead of ascending: the recent pages, latest first, then
+    the others by score, highest first.
     """
     assert 0 <= num_recent <= budget, "the recency window must fit in the budget"
     max_pages = page_scores.shape[1]
@@ -35,8 +38,13 @@ def select_pages(
     top = torch.where(candidate.gather(1, top), top, max_pages)
     recent = num_pages - num_recent + torch.arange(num_recent, device=page_scores.device)
     recent = torch.where(recent >= 0, recent, max_pages)
-    # Recent pages follow every candidate, so one small sort puts the kept pages in order.
-    kept = torch.cat([top, recent], dim=1).sort(dim=1).values
+    if by_importance:
+        kept = torch.cat([recent.flip(-1), top], dim=1)
+        # the kept ones first, each group in its order (a stable sort on validity)
+        kept = kept.gather(1, (kept >= max_pages).int().sort(dim=1, stable=True).indices)
+    else:
+        # Recent pages follow every candidate, so one small sort puts the kept pages in order.
+        kept = torch.cat([top, recent], dim=1).sort(dim=1).values
     valid = kept < max_pages
     selected = torch.where(valid, kept, 0).int()
     if selected.shape[1] < budget:
@@ -61,10 +69,11 @@ def select_tokens(
     seq_lens: torch.Tensor,
     budget: int,
     num_recent: int = 1,
+    by_importance: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """TidalDecode's top-`budget` tokens by score, always keeping the last `num_recent` tokens.
 
     By default that is the token being decoded, which TidalDecode's kernels attend to outside the
     top-k. Same output format as select_pages, for sparse_decode_attention with page_size=1.
     """
-    return select_pages(token_scores, seq_lens, budget, num_recent, page_size=1)
+    return select_pages(token_scores, seq_lens, budget, num_recent, 1, by_importance)

@@ -37,6 +37,9 @@ class DecodeContext:
     model_fingerprint: dict[str, Any] | None = None  # policies.calibration.model_fingerprint
     # Under tensor parallelism: x -> elementwise max of x over the ranks (each holds some heads)
     max_across_ranks: Callable[[Any], Any] | None = None
+    # ART (policies.art.Art) when it reads for this policy (BASE+art): sparse layers read their
+    # selection through it, importance-first
+    art: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,10 +44,13 @@ class DeltaPolicy(SelectionPolicy):
             if page_scores is None:
                 page_scores = page_sums(token_scores)
             return select_pages(
-                page_scores, seq_lens, self.budget_pages, self.recent_pages, PAGE_SIZE
-            )
+                page_scores, seq_lens, self.budget_pages, self.recent_pages, PAGE_SIZE,
+                by_importance=ctx.art is not None,
+            )  # fmt: skip
 
-        return Selection("pages", PAGE_SIZE, self.budget_pages, attend_and_score, choose)
+        return Selection(
+            "pages", PAGE_SIZE, self.budget_pages, attend_and_score, choose, self.recent_pages
+        )
 
 
 def page_sums(token_scores: torch.Tensor) -> torch.Tensor:

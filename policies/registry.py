@@ -30,6 +30,10 @@ def policy_class(name: str) -> type[KVPolicy]:
 
 
 def build_policy(name: str, params: Mapping[str, Any] | None = None) -> KVPolicy:
+    if "+" in name:  # a composition: BASE+art
+        from sglang_ext.policies.art import compose
+
+        return compose(name, dict(params or {}), build_policy)
     cls = policy_class(name)
     params = dict(params or {})
     known = [f.name for f in dataclasses.fields(cls)]

@@ -39,6 +39,7 @@ class Selection:
     budget: int
     attend_and_score: Callable[..., tuple]
     choose: Callable[..., tuple]
+    num_recent: int = 0  # under ART the selection is importance-ordered, these first
 
 
 class SelectionPolicy(KVPolicy):
@@ -183,6 +184,13 @@ class SelectionDecoder:
 
         q, cache = self._begin(q, k, v, layer, forward_batch, save_kv_cache)
         batch = q.shape[0]
+        if self.ctx.art is not None:  # the selection is importance-ordered: ART reads it so
+            out = self.ctx.art.read(
+                q, self.ctx, layer, forward_batch, order=self.selected[:batch],
+                num_order=self.num_selected[:batch], order_span=self.rule.page_size,
+                always_read=self.rule.num_recent * self.rule.page_size,
+            )  # fmt: skip
+            return out.view(batch, -1)
         attend = sd.sparse_decode_attention if q.is_cuda else sd.sparse_decode_attention_ref
         out = attend(
             *cache,

@@ -51,9 +51,14 @@ class TidalPolicy(SelectionPolicy):
         attend_and_score = _selection_attention(ctx.device)
 
         def choose(token_scores, page_scores, seq_lens):
-            return select_tokens(token_scores, seq_lens, self.budget_tokens, self.recent_tokens)
+            return select_tokens(
+                token_scores, seq_lens, self.budget_tokens, self.recent_tokens,
+                by_importance=ctx.art is not None,
+            )  # fmt: skip
 
-        return Selection("tokens", 1, self.budget_tokens, attend_and_score, choose)
+        return Selection(
+            "tokens", 1, self.budget_tokens, attend_and_score, choose, self.recent_tokens
+        )
 
 
 def _selection_attention(device):

@@ -3,7 +3,6 @@ process through one environment variable (spawned scheduler processes inherit th
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -41,7 +40,8 @@ def policy_from_flags(name: str, config_text: str | None) -> KVPolicy:
 
 
 def export_policy(policy: KVPolicy) -> None:
-    os.environ[POLICY_ENV] = json.dumps({"name": policy.name, "params": dataclasses.asdict(policy)})
+    params = {k: v for k, v in policy.describe().items() if k != "name"}
+    os.environ[POLICY_ENV] = json.dumps({"name": policy.name, "params": params})
     active_policy.cache_clear()
 
 

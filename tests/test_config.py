@@ -42,7 +42,7 @@ def test_exported_policy_is_what_engine_processes_build(monkeypatch):
 @pytest.mark.parametrize(
     "args, fragments",
     [
-        (["--policy", "nope"], ["argument --policy:", "unknown policy 'nope'", "valid: delta, full"]),
+        (["--policy", "nope"], ["argument --policy:", "unknown policy 'nope'", "valid: art, delta, full"]),
         (["--policy-config", "{bad"], ["argument --policy-config:", "invalid JSON"]),
         (
             ["--policy", "full", "--policy-config", '{"budget": 3}'],

@@ -1,0 +1,127 @@
+"""``art``: ART (Attention Run-time Termination), on its own over full attention or on top of
+another policy (``--policy delta+art``, ``tidal+art``).
+
+ART never changes what a layer may attend to, only how much of it the decode kernel reads: the
+kernel walks the KV tiles in a traversal order and stops once the running output has been
+stable in scale (< ``tau``) and direction (< ``phi``) for ``patience`` tiles
+(``kernels/art_decode.py``). Over full attention the order is recent-first after the first
+``sink_tokens`` tokens; over DELTA or TidalDecode, a sparse layer reads its selection
+importance-first: the recent pages (tokens), then the others by selection score.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sglang_ext.policies.base import DecodeContext, DecodeFn, KVPolicy, PolicyConfigError
+from sglang_ext.policies.registry import register_policy
+
+
+@register_policy
+@dataclasses.dataclass(frozen=True)
+class Art(KVPolicy):
+    name = "art"
+    tau: float = 1e-5  # scale: ||x_t - x_{t-1}|| of the probe
+    phi: float = 1e-3  # direction: 1 - cos(x_t, x_{t-1})
+    patience: int = 5  # consecutive stable tiles before stopping; 0: never stop (p = inf)
+    sink_tokens: int = 4  # read first, always (over full attention)
+    probe_stride: int = 8  # the probe: every probe_stride-th head dimension
+    num_kv_splits: int = 8
+
+    def validate(self) -> None:
+        for field in ("tau", "phi"):
+            if not getattr(self, field) > 0:
+                self._error(field, f"must be > 0, got {getattr(self, field)}")
+        for field in ("patience", "sink_tokens"):
+            if getattr(self, field) < 0:
+                self._error(field, f"must be >= 0, got {getattr(self, field)}")
+        for field in ("probe_stride", "num_kv_splits"):
+            if getattr(self, field) < 1:
+                self._error(field, f"must be >= 1, got {getattr(self, field)}")
+
+    def decode_fns(self, ctx: DecodeContext) -> list[DecodeFn]:
+        return [self.full_decode(ctx)] * ctx.num_layers
+
+    def kernel_params(self) -> dict[str, Any]:
+        return {
+            "tau": self.tau, "phi": self.phi, "patience": self.patience,
+            "probe_stride": self.probe_stride, "num_kv_splits": self.num_kv_splits,
+        }  # fmt: skip
+
+    def read(self, q, ctx: DecodeContext, layer, forward_batch, **order):
+        """ART's decode attention of q [batch, heads, dim] over the layer's cache (all of it
+        recent-first, or ``order``/``num_order``/``order_span``/``always_read``)."""
+        from sglang_ext.kernels import art_decode as art
+
+        attend = art.art_decode if q.is_cuda else art.art_decode_ref
+        pool = ctx.kv_pool
+        order.setdefault("always_read", self.sink_tokens)
+        out, _ = attend(
+            q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
+            ctx.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
+            layer.scaling, **self.kernel_params(), **order,
+        )  # fmt: skip
+        return out
+
+    def full_decode(self, ctx: DecodeContext) -> DecodeFn:
+        def decode(q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+            if save_kv_cache and k is not None and v is not None:
+                ctx.write_kv(layer, forward_batch, k, v)
+            q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+            return self.read(q, ctx, layer, forward_batch).view(q.shape[0], -1)
+
+        return decode
+
+    def _error(self, field: str, message: str):
+        raise PolicyConfigError(f"{self.name}.{field}", message)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArtOver(KVPolicy):
+    """A base policy whose attention reads go through ART: its full-attention layers read
+    recent-first, its sparse layers their selection importance-first."""
+
+    base: KVPolicy
+    art: Art
+
+    COMPOSABLE = ("full", "delta", "tidal")
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return f"{self.base.name}+{Art.name}"
+
+    def validate(self) -> None:
+        if self.base.name not in self.COMPOSABLE:
+            raise PolicyConfigError(
+                "policy", f"ART composes over {', '.join(self.COMPOSABLE)}, not {self.base.name!r}"
+            )
+
+    def for_model(self, ctx: DecodeContext) -> ArtOver:
+        return dataclasses.replace(self, base=self.base.for_model(ctx))
+
+    def decode_fns(self, ctx: DecodeContext) -> list[DecodeFn]:
+        reading = dataclasses.replace(ctx, base_decode=self.art.full_decode(ctx), art=self.art)
+        return self.base.decode_fns(reading)
+
+    def server_defaults(self) -> dict[str, str | None]:
+        return self.base.server_defaults()
+
+    def cache_correction_interval(self) -> int:
+        return self.base.cache_correction_interval()
+
+    def describe(self) -> dict[str, Any]:
+        base = {k: v for k, v in self.base.describe().items() if k != "name"}
+        return {"name": self.name, **base, Art.name: dataclasses.asdict(self.art)}
+
+
+def compose(name: str, params: dict[str, Any], build) -> KVPolicy:
+    """``BASE+art`` from its parameters: the base policy's, with ART's under the key "art"."""
+    base_name, _, extra = name.partition("+")
+    if extra != Art.name:
+        raise PolicyConfigError("policy", f"unknown composition {name!r}: only BASE+art")
+    params = dict(params)
+    art_params = params.pop(Art.name, {})
+    if not isinstance(art_params, dict):
+        raise PolicyConfigError(f"{name}.{Art.name}", "expected an object of ART's parameters")
+    return ArtOver(base=build(base_name, params), art=build(Art.name, art_params))
