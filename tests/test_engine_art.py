@@ -1,0 +1,83 @@
+"""The real SGLang engine on CPU with SmolLM2 serving ``--policy art`` and ``--policy delta+art``
+beside ``--policy full``: termination off reads everything (full's greedy tokens), on it keeps
+full's answers, compositions serve, and no KV leaks."""
+
+import ast
+import json
+import re
+import sys
+
+import pytest
+import requests
+import transformers
+
+from benchmarks import lookup_task
+from server import ServerProcess, free_port
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = ["Once upon a time, in a small village by the sea,", "def fibonacci(n):\n    "]
+COMMON = ["--max-total-tokens", "16384", "--log-level", "info", "--dtype", "float32"]
+CONFIGS = {
+    "full": ("full", None),
+    "art_off": ("art", {"patience": 0}),
+    "art": ("art", None),
+    "delta+art": ("delta+art", {"budget_pages": 16, "recent_pages": 2}),
+}
+
+
+@pytest.fixture(scope="module")
+def servers(model_path, strict_env, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("art-logs")
+    started = {}
+    try:
+        for name, (policy, config) in CONFIGS.items():
+            port = free_port()
+            flags = ["--policy", policy]
+            if config is not None:
+                flags += ["--policy-config", json.dumps(config)]
+            argv = [sys.executable, "-m", "sglang_ext.launch", *flags,
+                    "--model-path", str(model_path), "--port", str(port), *COMMON]  # fmt: skip
+            started[name] = ServerProcess(argv, strict_env, logs / f"{name}.log", port).start()
+        for server in started.values():
+            server.wait_ready()
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+def test_termination_off_gives_full_attentions_greedy_tokens(servers):
+    ours = servers["art_off"].generate(PROMPTS, max_new_tokens=24)
+    theirs = servers["full"].generate(PROMPTS, max_new_tokens=24)
+    assert [o["output_ids"] for o in ours] == [t["output_ids"] for t in theirs]
+
+
+@pytest.mark.parametrize("name", ["art", "delta+art"])
+def test_with_termination_the_lookup_full_answers_is_answered(servers, model_path, name):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+    case = lookup_task.make_case(tokenizer, 1024, 0.5, seed=0)
+    body = {"input_ids": case.prompt_ids, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+    answers = {
+        server: requests.post(f"{servers[server].url}/generate", json=body, timeout=300).json()["text"]
+        for server in ("full", name)
+    }  # fmt: skip
+    assert lookup_task.is_correct(case, answers["full"]), answers["full"]
+    assert lookup_task.is_correct(case, answers[name]), answers[name]
+
+
+def test_the_composition_is_served_as_configured(servers):
+    log = servers["delta+art"].log()
+    described = re.search(r"decoding with policy (\{.*\})", log)
+    assert described, "the policy backend was not used"
+    params = ast.literal_eval(described[1])
+    assert params["name"] == "delta+art" and params["budget_pages"] == 16
+    assert params["art"]["patience"] == 5
+
+
+def test_no_kv_leak_after_the_requests(servers):
+    for server in servers.values():
+        server.wait_idle()
+        assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
+        log = server.log()
+        assert "leak" not in log.lower() and "Traceback" not in log
