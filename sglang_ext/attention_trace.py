@@ -36,6 +36,7 @@ SEED_TEXT_DIR = Path("/work/shared/seeds")  # the papers behind the project, whe
 
 _recorded_queries: dict[int, torch.Tensor] | None = None  # layer -> [q_heads, dim], while recording
 _last_keys: dict[int, torch.Tensor] = {}  # layer -> [kv_heads, tokens, dim] of the last call
+_last_values: dict[int, torch.Tensor] = {}  # likewise
 
 
 def _trace_attention(module, query, key, value, attention_mask, **kwargs):
@@ -44,6 +45,7 @@ def _trace_attention(module, query, key, value, attention_mask, **kwargs):
         assert query.shape[0] == 1 and query.shape[2] == 1, "the trace decodes one sequence"
         _recorded_queries[module.layer_idx] = query[0, :, 0].float()
         _last_keys[module.layer_idx] = key[0]
+        _last_values[module.layer_idx] = value[0]
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -55,11 +57,12 @@ AttentionMaskInterface.register(TRACE_ATTENTION, sdpa_mask)
 class DecodeTrace:
     """One prompt's greedy decode under full attention.
 
-    queries [steps, layers, q_heads, dim]; keys [layers, tokens, kv_heads, dim] in the engine's
-    KV-buffer layout; step s attends to the first seq_lens[s] tokens (itself last)."""
+    queries [steps, layers, q_heads, dim]; keys and values [layers, tokens, kv_heads, dim] in the
+    engine's KV-buffer layout; step s attends to the first seq_lens[s] tokens (itself last)."""
 
     queries: torch.Tensor
     keys: torch.Tensor
+    values: torch.Tensor
     seq_lens: list[int]
     sm_scale: float
     prompt_len: int
@@ -115,12 +118,17 @@ def trace_decode(model, input_ids: list[int], decode_steps: int) -> DecodeTrace:
         generated.append(int(token))
         token = out.logits[0, -1].argmax()
     # [kv_heads, tokens, dim] -> the engine's [tokens, kv_heads, dim]
-    keys = torch.stack([_last_keys[i].transpose(0, 1).float() for i in range(len(_last_keys))])
+    keys, values = (
+        torch.stack([last[i].transpose(0, 1).float() for i in range(len(last))])
+        for last in (_last_keys, _last_values)
+    )
     _last_keys.clear()
+    _last_values.clear()
     attention = model.model.layers[0].self_attn
     return DecodeTrace(
         queries=torch.stack(queries),
         keys=keys,
+        values=values,
         seq_lens=[len(input_ids) + 1 + step for step in range(decode_steps)],
         sm_scale=attention.scaling,
         prompt_len=len(input_ids),
