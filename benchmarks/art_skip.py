@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
 
@@ -31,19 +30,10 @@ BENCH = "art_skip"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=f"python -m benchmarks.{BENCH}", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument("--model-path", type=Path, default=None, help="HF folder (default: SmolLM2)")
-    parser.add_argument("--lengths", type=harness.int_list, default=[1024, 4096])
-    parser.add_argument("--taus", type=lambda s: [float(x) for x in s.split(",")], default=[1e-5, 1e-4, 1e-3])
+    parser = harness.trace_parser(BENCH, __doc__, lengths=[1024, 4096], decode_steps=4)
+    floats = lambda text: [float(x) for x in text.split(",")]  # noqa: E731
+    parser.add_argument("--taus", type=floats, default=[1e-5, 1e-4, 1e-3])
     parser.add_argument("--patience", type=harness.int_list, default=[5, 2])
-    parser.add_argument("--decode-steps", type=int, default=4)
-    parser.add_argument("--prompts-per-length", type=int, default=2)
-    parser.add_argument("--text-dir", type=Path, default=at.SEED_TEXT_DIR)
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    parser.add_argument("--out-dir", type=Path, default=harness.DEFAULT_OUT_DIR)
-    parser.add_argument("--results-md", type=Path, default=harness.DEFAULT_RESULTS_MD)
     return parser
 
 

@@ -10,19 +10,7 @@ out=${OUT:-benchmarks/results}
 results_md=${OUT:+$OUT/RESULTS.md}
 logs=${LOG_DIR:-/tmp/sglang_ext-bench-logs}
 corrections=${CORRECTION_INTERVALS-8}  # empty: no cache-correction runs
-gguf=${GGUF:-/tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf}
-export SGLANG_EXT_MODEL_CACHE=${SGLANG_EXT_MODEL_CACHE:-/tmp/sglang_ext-models}
-export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
-
-"$python" - "$gguf" <<'PY'
-import sys
-from pathlib import Path
-from sglang_ext import model
-target = model.cache_dir() / model.MODEL_NAME
-if not (target / "sglang_ext_converted.json").is_file():
-    model.convert_gguf(Path(sys.argv[1]), target)
-print("model:", model.default_model_path())
-PY
+source benchmarks/gpu_smol_model.sh
 "$python" -m benchmarks.quality --out-dir "$out" --results-md "${results_md:-benchmarks/RESULTS.md}" \
   --log-dir "$logs" --dtype bfloat16 --server-args=--disable-prefill-cuda-graph \
   --policies ${POLICIES:-full,delta,tidal} --budgets ${BUDGETS:-256,512,1024} \

@@ -138,6 +138,27 @@ def common_parser(bench: str, doc: str) -> argparse.ArgumentParser:
     return parser
 
 
+def trace_parser(bench: str, doc: str, lengths: list[int], decode_steps: int) -> argparse.ArgumentParser:
+    """The flags of the benchmarks that replay full-attention decode traces of real weights on the
+    CPU (sglang_ext.attention_trace): which model, prompts and steps, where results go."""
+    from sglang_ext.attention_trace import SEED_TEXT_DIR
+
+    parser = argparse.ArgumentParser(
+        prog=f"python -m benchmarks.{bench}", description=doc.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--model-path", type=Path, default=None, help="HF folder (default: SmolLM2)"
+    )
+    parser.add_argument("--lengths", type=int_list, default=lengths)
+    parser.add_argument("--decode-steps", type=int, default=decode_steps)
+    parser.add_argument("--prompts-per-length", type=int, default=2)
+    parser.add_argument("--text-dir", type=Path, default=SEED_TEXT_DIR)
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
+    parser.add_argument("--results-md", type=Path, default=DEFAULT_RESULTS_MD)
+    return parser
+
+
 def run_label(args: argparse.Namespace) -> str:
     """The shape, and the tensor-parallel size when there is one: names a run's result files."""
     return args.shape if args.tp == 1 else f"{args.shape}-tp{args.tp}"

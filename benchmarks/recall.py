@@ -39,20 +39,8 @@ PAGE_SIZE = 16
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=f"python -m benchmarks.{BENCH}", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument(
-        "--model-path", type=Path, default=None, help="HF folder (default: SmolLM2)"
-    )
-    parser.add_argument("--lengths", type=harness.int_list, default=[4096, 7500])
+    parser = harness.trace_parser(BENCH, __doc__, lengths=[4096, 7500], decode_steps=16)
     parser.add_argument("--budgets", type=harness.int_list, default=[256, 512, 1024])
-    parser.add_argument("--decode-steps", type=int, default=16)
-    parser.add_argument("--prompts-per-length", type=int, default=2)
-    parser.add_argument("--text-dir", type=Path, default=at.SEED_TEXT_DIR)
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    parser.add_argument("--out-dir", type=Path, default=harness.DEFAULT_OUT_DIR)
-    parser.add_argument("--results-md", type=Path, default=harness.DEFAULT_RESULTS_MD)
     return parser
 
 

@@ -163,7 +163,7 @@ class LetheRuntime:
         lid = layer.layer_id
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         pool = self.ctx.kv_pool
-        k_buffer, v_buffer = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
+        k_buffer = pool.get_key_buffer(lid)
         rows = forward_batch.req_pool_indices.tolist()
         seq_lens = forward_batch.seq_lens_cpu.tolist()
         start = 0

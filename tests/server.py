@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import sys
 import time
+from pathlib import Path
 
 import requests
 
 from sglang_ext.engine_process import EngineServer, free_port
 
-__all__ = ["ServerProcess", "free_port"]
+__all__ = ["ServerProcess", "free_port", "policy_servers"]
 
 
 class ServerProcess(EngineServer):
@@ -28,3 +32,24 @@ class ServerProcess(EngineServer):
                 return
             time.sleep(0.5)
         raise TimeoutError(f"server still busy after {timeout}s")
+
+
+@contextlib.contextmanager
+def policy_servers(model_path, env: dict, log_dir: Path, configs: dict):
+    """One ``sglang_ext.launch`` server per entry of ``configs``, name -> (policy, its config or
+    None, further flags), all booting at once; name -> ServerProcess, stopped on exit."""
+    started = {}
+    try:
+        for name, (policy, config, flags) in configs.items():
+            port = free_port()
+            argv = [sys.executable, "-m", "sglang_ext.launch", "--policy", policy]
+            if config is not None:
+                argv += ["--policy-config", json.dumps(config)]
+            argv += ["--model-path", str(model_path), "--port", str(port), *flags]
+            started[name] = ServerProcess(argv, env, log_dir / f"{name}.log", port).start()
+        for server in started.values():
+            server.wait_ready()
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()

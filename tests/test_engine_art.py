@@ -3,16 +3,14 @@ beside ``--policy full``: termination off reads everything (full's greedy tokens
 full's answers, compositions serve, and no KV leaks."""
 
 import ast
-import json
 import re
-import sys
 
 import pytest
 import requests
 import transformers
 
 from benchmarks import lookup_task
-from server import ServerProcess, free_port
+from server import policy_servers
 
 pytestmark = pytest.mark.engine
 
@@ -29,22 +27,9 @@ CONFIGS = {
 @pytest.fixture(scope="module")
 def servers(model_path, strict_env, tmp_path_factory):
     logs = tmp_path_factory.mktemp("art-logs")
-    started = {}
-    try:
-        for name, (policy, config) in CONFIGS.items():
-            port = free_port()
-            flags = ["--policy", policy]
-            if config is not None:
-                flags += ["--policy-config", json.dumps(config)]
-            argv = [sys.executable, "-m", "sglang_ext.launch", *flags,
-                    "--model-path", str(model_path), "--port", str(port), *COMMON]  # fmt: skip
-            started[name] = ServerProcess(argv, strict_env, logs / f"{name}.log", port).start()
-        for server in started.values():
-            server.wait_ready()
+    configs = {name: (policy, config, COMMON) for name, (policy, config) in CONFIGS.items()}
+    with policy_servers(model_path, strict_env, logs, configs) as started:
         yield started
-    finally:
-        for server in started.values():
-            server.stop()
 
 
 def test_termination_off_gives_full_attentions_greedy_tokens(servers):

@@ -6,14 +6,13 @@ import concurrent.futures
 import json
 import math
 import re
-import sys
 
 import pytest
 import requests
 import transformers
 
 from benchmarks import lookup_task
-from server import ServerProcess, free_port
+from server import policy_servers
 
 pytestmark = pytest.mark.engine
 
@@ -51,20 +50,9 @@ RUNNING = re.compile(r"Decode batch, #running-req: (\d+)")
 @pytest.fixture(scope="module")
 def servers(model_path, strict_env, tmp_path_factory):
     logs = tmp_path_factory.mktemp("lethe-logs")
-    started = {}
-    try:
-        for name, (config, flags) in SERVERS.items():
-            port = free_port()
-            argv = [sys.executable, "-m", "sglang_ext.launch", "--policy", "lethe",
-                    "--policy-config", json.dumps(config), "--model-path", str(model_path),
-                    "--port", str(port), *COMMON, *flags]  # fmt: skip
-            started[name] = ServerProcess(argv, strict_env, logs / f"{name}.log", port).start()
-        for server in started.values():
-            server.wait_ready()
+    configs = {name: ("lethe", config, [*COMMON, *flags]) for name, (config, flags) in SERVERS.items()}
+    with policy_servers(model_path, strict_env, logs, configs) as started:
         yield started
-    finally:
-        for server in started.values():
-            server.stop()
 
 
 def generate(server, text, max_new_tokens):

@@ -2,14 +2,12 @@
 beside ``--policy full``."""
 
 import ast
-import json
 import re
-import sys
 
 import pytest
 import requests
 
-from server import ServerProcess, free_port
+from server import policy_servers
 
 pytestmark = pytest.mark.engine
 
@@ -39,22 +37,9 @@ SMALL_BUDGET = {"delta": ("pages", 4, 16), "tidal": ("tokens", 64, 1)}  # unit, 
 @pytest.fixture(scope="module")
 def servers(model_path, strict_env, tmp_path_factory):
     logs = tmp_path_factory.mktemp("engine-logs")
-    started = {}
-    try:
-        for name, config in CONFIGS.items():  # all boot at once
-            port = free_port()
-            policy = ["--policy", name.split("_")[0]]
-            if config is not None:
-                policy += ["--policy-config", json.dumps(config)]
-            argv = [sys.executable, "-m", "sglang_ext.launch", *policy,
-                    "--model-path", str(model_path), "--port", str(port), *COMMON]  # fmt: skip
-            started[name] = ServerProcess(argv, strict_env, logs / f"{name}.log", port).start()
-        for server in started.values():
-            server.wait_ready()
+    configs = {name: (name.split("_")[0], config, COMMON) for name, config in CONFIGS.items()}
+    with policy_servers(model_path, strict_env, logs, configs) as started:
         yield started
-    finally:
-        for server in started.values():
-            server.stop()
 
 
 @pytest.mark.parametrize("policy", ["delta", "tidal"])
