@@ -110,6 +110,9 @@ class ArtOver(KVPolicy):
     def cache_correction_interval(self) -> int:
         return self.base.cache_correction_interval()
 
+    def schema(self) -> dict[str, Any]:
+        return {**self.base.schema(), Art.name: self.art.schema()}
+
     def describe(self) -> dict[str, Any]:
         base = {k: v for k, v in self.base.describe().items() if k != "name"}
         return {"name": self.name, **base, Art.name: dataclasses.asdict(self.art)}

@@ -87,6 +87,10 @@ class KVPolicy:
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, **dataclasses.asdict(self)}
 
+    def schema(self) -> dict[str, Any]:
+        """This policy's parameters: name -> {"type", "default"}."""
+        return type(self).parameter_schema()
+
     @classmethod
     def parameter_schema(cls) -> dict[str, Any]:
         hints = typing.get_type_hints(cls)

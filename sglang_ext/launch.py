@@ -98,6 +98,11 @@ def main(argv: list[str] | None = None) -> None:
 
     load_plugins()
     from sglang.launch_server import run_server
+    from sglang.srt.entrypoints.http_server import app
+
+    from sglang_ext.server import routes
+
+    routes.install(app, policy)
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 

@@ -66,3 +66,11 @@ def test_no_kv_leak_after_the_requests(servers):
         assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
         log = server.log()
         assert "leak" not in log.lower() and "Traceback" not in log
+
+
+def test_the_policy_endpoint_describes_the_served_policy(servers):
+    info = requests.get(f"{servers['delta+art'].url}/policy", timeout=30).json()
+    assert info["policy"]["name"] == "delta+art" and info["policy"]["art"]["tau"] == 1e-5
+    assert info["parameters"]["budget_pages"] == {"type": "int", "default": 64}
+    assert info["parameters"]["art"]["patience"] == {"type": "int", "default": 5}
+    assert {"lethe", "art", "tidal+art"} <= set(info["available"])

@@ -1,0 +1,92 @@
+"""Locust load test of an ``sglang_ext.launch`` server: streaming ``/generate`` and
+``/v1/chat/completions``. Besides each request's own entry, the time to first token and every
+inter-token gap are recorded as their own entries (``TTFT …``, ``ITL …``), so locust's tables and
+CSVs report their percentiles.
+
+    locust -f loadtest/locustfile.py --host http://127.0.0.1:30000
+
+The mix comes from the environment: LOADTEST_PROMPT_WORDS and LOADTEST_MAX_TOKENS (comma lists,
+each request picks one of each at random), LOADTEST_CHAT_WEIGHT and LOADTEST_GENERATE_WEIGHT (task
+weights, default 1 and 1), LOADTEST_API_KEY (sent as a bearer token when set).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+
+from locust import FastHttpUser, between, task
+
+FILLER = (
+    "The lighthouse keeper wrote the date, the weather and the ships that passed in his log, "
+    "as he had every evening for thirty years."
+).split()
+
+
+def _ints(name: str, default: str) -> list[int]:
+    return [int(x) for x in os.environ.get(name, default).split(",")]
+
+
+PROMPT_WORDS = _ints("LOADTEST_PROMPT_WORDS", "32,256")
+MAX_TOKENS = _ints("LOADTEST_MAX_TOKENS", "16,64")
+
+
+def prompt(words: int) -> str:
+    return " ".join(FILLER[i % len(FILLER)] for i in range(words)) + " Summarise the log:"
+
+
+class ServingUser(FastHttpUser):
+    wait_time = between(0, 0.5)
+
+    def on_start(self) -> None:
+        key = os.environ.get("LOADTEST_API_KEY")
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    def _stream(self, name: str, url: str, body: dict, is_token) -> None:
+        """POST a streaming request; report TTFT and each inter-token gap under ``name``."""
+        start = last = time.perf_counter()
+        tokens = 0
+        try:
+            for line in self.client.iter_lines(url, method="POST", json=body, headers=self.headers, name=name):
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                if not is_token(json.loads(line[5:])):
+                    continue
+                now = time.perf_counter()
+                entry = "TTFT" if tokens == 0 else "ITL"
+                self._record(f"{entry} {name}", (now - (start if tokens == 0 else last)) * 1000)
+                last, tokens = now, tokens + 1
+        except Exception as err:  # the request's own entry has the failure; the stream ended
+            self._record(f"TTFT {name}", (time.perf_counter() - start) * 1000, err)
+
+    def _record(self, name: str, ms: float, exception: Exception | None = None) -> None:
+        self.environment.events.request.fire(
+            request_type="STREAM", name=name, response_time=ms, response_length=0,
+            exception=exception, context={},
+        )  # fmt: skip
+
+    @task(int(os.environ.get("LOADTEST_GENERATE_WEIGHT", "1")))
+    def generate(self) -> None:
+        body = {
+            "text": prompt(random.choice(PROMPT_WORDS)),
+            "stream": True,
+            "sampling_params": {"max_new_tokens": random.choice(MAX_TOKENS), "temperature": 0.7},
+        }
+        self._stream("/generate", "/generate", body, lambda chunk: "text" in chunk)
+
+    @task(int(os.environ.get("LOADTEST_CHAT_WEIGHT", "1")))
+    def chat(self) -> None:
+        body = {
+            "model": "default",
+            "messages": [{"role": "user", "content": prompt(random.choice(PROMPT_WORDS))}],
+            "max_tokens": random.choice(MAX_TOKENS),
+            "stream": True,
+        }
+
+        def is_token(chunk: dict) -> bool:
+            choices = chunk.get("choices") or [{}]
+            return bool(choices[0].get("delta", {}).get("content"))
+
+        self._stream("/v1/chat/completions", "/v1/chat/completions", body, is_token)

@@ -1,0 +1,27 @@
+"""The extension's own HTTP routes on SGLang's FastAPI app (so SGLang's ``--api-key`` middleware
+guards them like its own routes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang_ext.policies import KVPolicy, policy_names
+from sglang_ext.policies.art import Art, ArtOver
+
+
+def policy_info(policy: KVPolicy) -> dict[str, Any]:
+    """What ``GET /policy`` answers: the policy served, its parameters' schema, the names a
+    ``--policy`` may take."""
+    return {
+        "policy": policy.describe(),
+        "parameters": policy.schema(),
+        "available": [*policy_names(), *(f"{base}+{Art.name}" for base in ArtOver.COMPOSABLE)],
+    }
+
+
+def install(app, policy: KVPolicy) -> None:
+    """Add the routes to SGLang's HTTP app (sglang.srt.entrypoints.http_server.app)."""
+
+    @app.get("/policy")
+    async def get_policy() -> dict[str, Any]:
+        return policy_info(policy)
