@@ -44,20 +44,27 @@ class ServingUser(FastHttpUser):
         key = os.environ.get("LOADTEST_API_KEY")
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
-    def _stream(self, name: str, url: str, body: dict, is_token) -> None:
-        """POST a streaming request; report TTFT and each inter-token gap under ``name``."""
+    def _stream(self, name: str, url: str, body: dict, tokens_in) -> None:
+        """POST a streaming request; report TTFT and inter-token latency under ``name``: an event
+        carrying n new tokens n - 1 events after the last reports its gap / n, n times (events
+        coalesce when the client reads slower than the server streams)."""
         start = last = time.perf_counter()
         tokens = 0
         try:
-            for line in self.client.iter_lines(url, method="POST", json=body, headers=self.headers, name=name):
+            lines = self.client.iter_lines(url, method="POST", json=body, headers=self.headers, name=name)
+            for line in lines:
                 if not line.startswith("data:") or line.strip() == "data: [DONE]":
                     continue
-                if not is_token(json.loads(line[5:])):
+                new = tokens_in(json.loads(line[5:]), tokens)
+                if new <= 0:
                     continue
                 now = time.perf_counter()
-                entry = "TTFT" if tokens == 0 else "ITL"
-                self._record(f"{entry} {name}", (now - (start if tokens == 0 else last)) * 1000)
-                last, tokens = now, tokens + 1
+                if tokens == 0:
+                    self._record(f"TTFT {name}", (now - start) * 1000)
+                    new -= 1
+                for _ in range(new):
+                    self._record(f"ITL {name}", (now - last) * 1000 / max(new, 1))
+                last, tokens = now, tokens + new + (1 if tokens == 0 else 0)
         except Exception as err:  # the request's own entry has the failure; the stream ended
             self._record(f"TTFT {name}", (time.perf_counter() - start) * 1000, err)
 
@@ -74,7 +81,10 @@ class ServingUser(FastHttpUser):
             "stream": True,
             "sampling_params": {"max_new_tokens": random.choice(MAX_TOKENS), "temperature": 0.7},
         }
-        self._stream("/generate", "/generate", body, lambda chunk: "text" in chunk)
+        def tokens_in(chunk: dict, seen: int) -> int:
+            return chunk.get("meta_info", {}).get("completion_tokens", seen) - seen
+
+        self._stream("/generate", "/generate", body, tokens_in)
 
     @task(int(os.environ.get("LOADTEST_CHAT_WEIGHT", "1")))
     def chat(self) -> None:
@@ -85,8 +95,8 @@ class ServingUser(FastHttpUser):
             "stream": True,
         }
 
-        def is_token(chunk: dict) -> bool:
+        def tokens_in(chunk: dict, seen: int) -> int:  # a content delta is one token
             choices = chunk.get("choices") or [{}]
-            return bool(choices[0].get("delta", {}).get("content"))
+            return int(bool(choices[0].get("delta", {}).get("content")))
 
-        self._stream("/v1/chat/completions", "/v1/chat/completions", body, is_token)
+        self._stream("/v1/chat/completions", "/v1/chat/completions", body, tokens_in)
