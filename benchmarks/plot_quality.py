@@ -18,6 +18,7 @@ SUMMARY_METRICS = [
     ("greedy_token_match_frac", "tokens equal to full's"),
     ("lookup_accuracy_all", "lookup accuracy, all cases"),
     ("lookup_accuracy_full_passed", "lookup accuracy, cases full passes"),
+    ("greedy_token_match_frac_vs_base", "tokens equal to its base's (ART runs)"),
 ]
 
 

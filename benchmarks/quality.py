@@ -12,7 +12,10 @@ each sent the same greedy requests one at a time.
   judged only where the model itself can answer).
 
 A budget B maps to delta ``{"budget_pages": B/16, "recent_pages": B/128}`` and tidal
-``{"budget_tokens": B}``; layer lists are the policies' defaults.
+``{"budget_tokens": B}``; layer lists are the policies' defaults. ART (``art``, ``delta+art``,
+``tidal+art``, ART at its defaults) changes only how much of its base's selection is read, so its
+runs are also compared with their base's run (``full``, ``delta-B``, ``tidal-B``): the ``*_vs_base``
+rows.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from benchmarks.harness import EngineServer, Row, RunInfo
 BENCH = "quality"
 SHAPE = "smollm2-135m-instruct"  # the embedded model, real weights
 FULL = "full"
+ART_SUFFIX = "+art"
+BASES = (FULL, "delta", "tidal")
 DEFAULT_SEEDS_DIR = harness.BENCH_DIR.parents[1] / "shared" / "seeds"
 # Fallback passages where the seeds are absent: large, prose-heavy stdlib modules.
 STDLIB_SOURCES = ["argparse.py", "inspect.py", "typing.py"]
@@ -61,10 +66,22 @@ class PolicyRun:
         return self.series if self.budget is None else f"{self.series}-{self.budget}"
 
     @property
+    def base(self) -> str:
+        """The policy ART runs over (``art`` is ``full+art``); the policy itself otherwise."""
+        return FULL if self.policy == "art" else self.policy.removesuffix(ART_SUFFIX)
+
+    @property
+    def base_label(self) -> str | None:
+        """The run this one is compared with besides full attention: its base's, when ART is on."""
+        if self.base == self.policy:
+            return None
+        return dataclasses.replace(self, policy=self.base).label
+
+    @property
     def config(self) -> dict | None:
-        if self.policy == "delta":
+        if self.base == "delta":
             return {"budget_pages": self.budget // 16, "recent_pages": self.budget // 128}
-        if self.policy == "tidal":
+        if self.base == "tidal":
             return {"budget_tokens": self.budget, "correction_interval": self.correction}
         return None
 
@@ -74,13 +91,18 @@ def policy_runs(
 ) -> list[PolicyRun]:
     """Full attention first (every other run is compared with it), then each policy per budget;
     tidal also with each cache correction interval in ``corrections``."""
-    unknown = set(policies) - {FULL, "delta", "tidal"}
+    valid = [*BASES, "art", *(b + ART_SUFFIX for b in BASES[1:])]
+    unknown = set(policies) - set(valid)
     if unknown:
-        raise SystemExit(f"unknown --policies {sorted(unknown)} (valid: full, delta, tidal)")
+        raise SystemExit(f"unknown --policies {sorted(unknown)} (valid: {', '.join(valid)})")
+    missing = {PolicyRun(p, None).base for p in policies} - {FULL, *policies}
+    if missing:
+        raise SystemExit(f"--policies: ART runs are compared with their base; add {sorted(missing)}")
     bad = [b for b in budgets if b % 128]
     if bad:
         raise SystemExit(f"--budgets must be multiples of 128 (delta's recent pages): {bad}")
-    sparse = [PolicyRun(p, b) for p in policies if p != FULL for b in budgets]
+    sparse = [PolicyRun(p, None) for p in policies if p == "art"]
+    sparse += [PolicyRun(p, b) for p in policies if p not in (FULL, "art") for b in budgets]
     if corrections and "tidal" not in policies:
         raise SystemExit("--correction-intervals applies to tidal: add it to --policies")
     sparse += [PolicyRun("tidal", b, t) for t in corrections for b in budgets]
@@ -212,12 +234,15 @@ def quality_rows(info, runs, outputs, prompts, cases) -> list[Row]:
     for run in runs:
         out = outputs[run.label]
         point = dict(bench=BENCH, policy=run.label, model_shape=SHAPE, batch=1)
-        if run.policy != FULL:
-            for ids, ours, theirs in zip(prompts, out["greedy"], reference["greedy"]):
+        compared = {"": reference} if run.policy != FULL else {}
+        if run.base_label:
+            compared["_vs_base"] = outputs[run.base_label]
+        for suffix, other in compared.items():
+            for ids, ours, theirs in zip(prompts, out["greedy"], other["greedy"]):
                 rows += [
-                    info.row(**point, context=len(ids), metric="greedy_identical_prefix_tokens",
+                    info.row(**point, context=len(ids), metric=f"greedy_identical_prefix_tokens{suffix}",
                              value=float(identical_prefix(ours, theirs))),
-                    info.row(**point, context=len(ids), metric="greedy_token_match_frac",
+                    info.row(**point, context=len(ids), metric=f"greedy_token_match_frac{suffix}",
                              value=match_fraction(ours, theirs)),
                 ]  # fmt: skip
         correct = [lookup_task.is_correct(c, a) for c, a in zip(cases, out["answers"])]

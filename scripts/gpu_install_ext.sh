@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Runs ON the GPU machine from the repo root: installs the carried .gpu/ext wheel into /tmp/ext
-# (fresh every time, so a rebuilt wheel replaces the old one).
+# Runs ON the GPU machine from the repo root: installs the carried .gpu/ext wheel and pytest into
+# /tmp/ext (fresh every time, so a rebuilt wheel replaces the old one).
 set -euo pipefail
 rm -rf /tmp/ext
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ext .gpu/ext/*.whl 2>&1 | { grep -v WARNING || true; }
-echo "sglang_ext installed into /tmp/ext"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ext .gpu/ext/*.whl .gpu/ext/test/*.whl \
+  2>&1 | { grep -v WARNING || true; }
+echo "sglang_ext and pytest installed into /tmp/ext"

@@ -1,0 +1,21 @@
+"""The quality benchmark's runs: ART runs are compared with their base policy's run."""
+
+import pytest
+
+from benchmarks.quality import policy_runs
+
+
+def test_art_runs_name_their_base_run_and_keep_its_budget_config():
+    runs = policy_runs(["full", "art", "delta", "delta+art"], [512])
+    by_label = {run.label: run for run in runs}
+    assert list(by_label) == ["full", "art", "delta-512", "delta+art-512"]
+    assert by_label["art"].base_label == "full" and by_label["art"].config is None
+    assert by_label["delta+art-512"].base_label == "delta-512"
+    assert by_label["delta+art-512"].config == by_label["delta-512"].config
+    assert by_label["delta-512"].base_label is None
+
+
+@pytest.mark.parametrize("policies", [["full", "tidal+art"], ["full", "lethe+art"], ["full", "nope"]])
+def test_an_art_run_without_its_base_or_an_unknown_policy_is_refused(policies):
+    with pytest.raises(SystemExit, match="--policies"):
+        policy_runs(policies, [512])
