@@ -110,6 +110,9 @@ class ArtOver(KVPolicy):
     def cache_correction_interval(self) -> int:
         return self.base.cache_correction_interval()
 
+    def attended_tokens(self, seq_len: int, num_layers: int) -> float:
+        return self.base.attended_tokens(seq_len, num_layers)
+
     def schema(self) -> dict[str, Any]:
         return {**self.base.schema(), Art.name: self.art.schema()}
 

@@ -53,6 +53,11 @@ class KVPolicy:
     """
 
     name: ClassVar[str]
+    # What a request may choose for itself (sglang_ext.request_policy): these parameters, and
+    # full attention instead of this policy when ``request_opt_out``. Parameters the decode
+    # kernels or their static buffers read for the whole batch stay server-wide.
+    request_params: ClassVar[tuple[str, ...]] = ()
+    request_opt_out: ClassVar[bool] = False
 
     def __post_init__(self):
         self._check_types()
@@ -83,6 +88,11 @@ class KVPolicy:
         """Every how many decode steps sparsely decoded tokens get their K/V re-filled with full
         attention (sglang_ext.cache_correction); 0: never."""
         return 0
+
+    def attended_tokens(self, seq_len: int, num_layers: int) -> float:
+        """Tokens a decode step of a request of ``seq_len`` tokens attends to, averaged over the
+        layers (before any early stop of ART); for metrics. Needs for_model's layer lists."""
+        return float(seq_len)
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, **dataclasses.asdict(self)}

@@ -29,6 +29,7 @@ class DeltaPolicy(SelectionPolicy):
     name = "delta"
     selection_field = "delta_layers"
     budget_field, recent_field = "budget_pages", "recent_pages"
+    budget_unit_tokens = PAGE_SIZE
     full_layers: list[int] | None = None  # unset: calibration file, else [0, 1]
     delta_layers: list[int] | None = None  # unset: calibration file, else [2, 14, 22] at 28 layers
     budget_pages: int = 64

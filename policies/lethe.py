@@ -50,6 +50,12 @@ class LayerShrink:
 @dataclasses.dataclass(frozen=True)
 class Lethe(KVPolicy):
     name = "lethe"
+    # Host-side rules of a round; decay and the observation window shape the device-side scores
+    # of every request, so they stay server-wide.
+    request_params = (
+        "evict_threshold", "sparse_ratio", "recent_ratio", "sink_tokens", "segments", "max_kv_ratio",
+    )  # fmt: skip
+    request_opt_out = True
 
     evict_threshold: int = 1024  # initial L_evict: retained tokens that trigger the first round
     sparse_ratio: float = 400.0  # tau: a score drop by more than this marks the breakpoint

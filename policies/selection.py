@@ -49,6 +49,7 @@ class SelectionPolicy(KVPolicy):
     selection_field: ClassVar[str]
     budget_field: ClassVar[str]  # how many units are selected
     recent_field: ClassVar[str]  # how many of them are the last ones, always kept
+    budget_unit_tokens: ClassVar[int] = 1  # tokens per selected unit
 
     def paper_layers(self, num_layers: int) -> tuple[list[int], list[int]]:
         """(full layers, selection layers) from the paper, for a model without calibration."""
@@ -129,6 +130,11 @@ class SelectionPolicy(KVPolicy):
         for layer in self.selecting_layers():
             roles[layer] = LayerRole.SELECT
         return roles
+
+    def attended_tokens(self, seq_len: int, num_layers: int) -> float:
+        sparse = self.layer_roles(num_layers).count(LayerRole.SPARSE)
+        budget = getattr(self, self.budget_field) * self.budget_unit_tokens
+        return (seq_len * (num_layers - sparse) + min(seq_len, budget) * sparse) / num_layers
 
     def decode_fns(self, ctx: DecodeContext) -> list[DecodeFn]:
         policy = self.for_model(ctx)

@@ -39,8 +39,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
+from typing import Any
 
 import torch
+
+from sglang_ext import request_policy
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +70,14 @@ class RequestEviction:
     rounds: int = 0
     skips_radix_insert: bool = False  # we set req.skip_radix_cache_insert
     retained_per_layer: list[int] = dataclasses.field(default_factory=list)  # after the last round
+    policy: Any = None  # the request's Lethe (the served one, or with its own parameters)
 
 
 @dataclasses.dataclass
 class EvictionStats:
     rounds: int = 0
     freed_slots: int = 0
+    seconds: float = 0.0  # host time in rounds
 
 
 STATS = EvictionStats()
@@ -186,11 +192,11 @@ class LetheRuntime:
         for lid in range(self.ctx.num_layers):
             n = int(self.count[lid, row])
             positions, scores = self.positions[lid, row, :n], self.scores[lid, row, :n]
-            shrink = self.policy.shrink_layer(positions, scores)
+            shrink = state.policy.shrink_layer(positions, scores)
             shrinks.append(shrink)
             kept.append(positions[shrink.keep])
             kept_scores.append(scores[shrink.keep])
-        kept_by_any = self.policy.cap_union(kept, kept_scores, length)
+        kept_by_any = state.policy.cap_union(kept, kept_scores, length)
         per_layer = []
         for lid, (positions, scores) in enumerate(zip(kept, kept_scores, strict=True)):
             stays = kept_by_any[positions.long()]
@@ -211,7 +217,7 @@ class LetheRuntime:
         state.rounds += 1
         state.retained_per_layer = per_layer
         retained = length - state.evicted
-        state.threshold = self.policy.next_threshold(
+        state.threshold = state.policy.next_threshold(
             state.threshold, shrinks, retained, length
         )
         if freed.numel() and not getattr(req, "skip_radix_cache_insert", False):
@@ -238,7 +244,7 @@ class LetheRuntime:
             if state is None or req.req_pool_idx is None:
                 continue
             held_past_radix = length - state.evicted - req.cache_protected_len
-            if held_past_radix > self.policy.round_cap(length):
+            if held_past_radix > state.policy.round_cap(length):
                 before = state.evicted
                 self.prune(req, req.req_pool_idx, length, allocator)
                 freed += state.evicted - before
@@ -281,8 +287,10 @@ def install(policy) -> None:
             mode = forward_batch.forward_mode
             if mode.is_extend() and not mode.is_mixed():
                 runtime.reset_rows(forward_batch.req_pool_indices, forward_batch.seq_lens)
+            started = time.perf_counter()
             for req, row, length in getattr(forward_batch, PLAN_ATTR, None) or ():
                 runtime.prune(req, row, length, model_runner.token_to_kv_pool_allocator)
+            STATS.seconds += time.perf_counter() - started
             setattr(forward_batch, PLAN_ATTR, None)
         return forward(model_runner, forward_batch, *args, **kwargs)
 
@@ -317,9 +325,14 @@ def install(policy) -> None:
 
 
 def _reset_request(req, policy) -> None:
-    """A request being prefilled (new, next chunk, or retracted and re-run) holds every slot."""
+    """A request being prefilled (new, next chunk, or retracted and re-run) holds every slot; one
+    that chose full attention (sglang_ext.request_policy) gets no eviction state at all."""
     old = getattr(req, STATE_ATTR, None)
     if old is not None and old.skips_radix_insert:
         req.skip_radix_cache_insert = False
+    own = request_policy.of_request(policy, req)
+    if own is None:
+        setattr(req, STATE_ATTR, None)
+        return
     rounds = old.rounds if old is not None else 0
-    setattr(req, STATE_ATTR, RequestEviction(threshold=policy.evict_threshold, rounds=rounds))
+    setattr(req, STATE_ATTR, RequestEviction(threshold=own.evict_threshold, rounds=rounds, policy=own))

@@ -15,6 +15,7 @@ from sglang_ext.backend import POLICY_BASES
 from sglang_ext.config import export_policy, policy_from_flags
 from sglang_ext.platform import cpu
 from sglang_ext.policies import KVPolicy, PolicyConfigError, policy_names
+from sglang_ext.server import validation
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
@@ -36,7 +37,24 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="JSON|@FILE",
         help="policy parameters as a JSON object, or @path to a JSON file",
     )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=_positive_int,
+        default=validation.DEFAULT_MAX_REQUEST_BYTES,
+        metavar="N",
+        help="a request body over N bytes is answered 413 (default: 16 MiB)",
+    )
     return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
 
 
 def _has_flag(argv: list[str], *flags: str) -> bool:
@@ -103,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     from sglang_ext.server import routes
 
     routes.install(app, policy)
+    app.add_middleware(validation.BodyLimit, max_bytes=ours.max_request_bytes)
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 

@@ -6,7 +6,8 @@ running requests may still grow by; under eviction a request never holds that mu
 ``ScheduleBatch.check_decode_mem``):
 
 - admission counts a new request at its policy's expected retained KV
-  (``Lethe.expected_kv(prompt + max_new_tokens)``), and each running request at what it may still
+  (``Lethe.expected_kv(prompt + max_new_tokens)``, under the request's own Lethe parameters; at
+  its full length when it chose full attention), and each running request at what it may still
   grow by up to that, instead of its full length;
 - when the next decode step does not fit, the running requests are pruned now (a round for each
   that holds more than a round would leave) before SGLang retracts any; retraction and
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import logging
 
-from sglang_ext import eviction
+from sglang_ext import eviction, request_policy
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +33,17 @@ def budget_prefill_adder(policy) -> type:
     """SGLang's PrefillAdder, counting requests at ``policy.expected_kv``."""
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, PrefillAdder
 
+    def expected_kv(req, total: int) -> int:
+        own = request_policy.of_request(policy, req)
+        return total if own is None else own.expected_kv(total)
+
     class BudgetPrefillAdder(PrefillAdder):
         def _get_running_request_total_token_offset(self, req) -> int:
             total = len(req.origin_input_ids) + req.sampling_params.max_new_tokens
             state = getattr(req, eviction.STATE_ATTR, None)
             held = len(req.origin_input_ids) + len(req.output_ids)
             held -= state.evicted if state is not None else 0
-            growth = max(0, policy.expected_kv(total) - held)
+            growth = max(0, expected_kv(req, total) - held)
             return min(growth, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
 
         def add_one_req(self, req, *args, **kwargs):
@@ -47,7 +52,7 @@ def budget_prefill_adder(policy) -> type:
             params = req.sampling_params
             requested = params.max_new_tokens
             filled = len(req.origin_input_ids) + len(req.output_ids)
-            expected = policy.expected_kv(len(req.origin_input_ids) + requested)
+            expected = expected_kv(req, len(req.origin_input_ids) + requested)
             params.max_new_tokens = len(req.output_ids) + max(0, expected - filled)
             try:
                 return super().add_one_req(req, *args, **kwargs)
