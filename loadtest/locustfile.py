@@ -7,7 +7,11 @@ CSVs report their percentiles.
 
 The mix comes from the environment: LOADTEST_PROMPT_WORDS and LOADTEST_MAX_TOKENS (comma lists,
 each request picks one of each at random), LOADTEST_CHAT_WEIGHT and LOADTEST_GENERATE_WEIGHT (task
-weights, default 1 and 1), LOADTEST_API_KEY (sent as a bearer token when set).
+weights, default 1 and 1), LOADTEST_API_KEY (sent as a bearer token when set),
+LOADTEST_KV_POLICIES (a JSON list of ``custom_params.kv_policy`` values, one picked per request;
+null: the server's policy), LOADTEST_ABORT_FRACTION (that fraction of /generate requests is aborted
+through ``POST /abort_request`` after its first tokens, on purpose: recorded as ``ABORTED …``,
+not as a failure).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import json
 import os
 import random
 import time
+import uuid
 
 from locust import FastHttpUser, between, task
 
@@ -31,6 +36,19 @@ def _ints(name: str, default: str) -> list[int]:
 
 PROMPT_WORDS = _ints("LOADTEST_PROMPT_WORDS", "32,256")
 MAX_TOKENS = _ints("LOADTEST_MAX_TOKENS", "16,64")
+KV_POLICIES = json.loads(os.environ.get("LOADTEST_KV_POLICIES", "[null]"))
+ABORT_FRACTION = float(os.environ.get("LOADTEST_ABORT_FRACTION", "0"))
+ABORT_AFTER_TOKENS = 4
+
+
+def with_policy(body: dict, params_key: str | None) -> dict:
+    """``body`` with a kv_policy picked from LOADTEST_KV_POLICIES (under sampling_params for
+    /generate, at the top for the OpenAI routes)."""
+    spec = random.choice(KV_POLICIES)
+    if spec is not None:
+        target = body[params_key] if params_key else body
+        target["custom_params"] = {"kv_policy": spec}
+    return body
 
 
 def prompt(words: int) -> str:
@@ -50,9 +68,15 @@ class ServingUser(FastHttpUser):
         coalesce when the client reads slower than the server streams)."""
         start = last = time.perf_counter()
         tokens = 0
+        abort_rid = body.get("rid")
         try:
             lines = self.client.iter_lines(url, method="POST", json=body, headers=self.headers, name=name)
             for line in lines:
+                if abort_rid and tokens >= ABORT_AFTER_TOKENS:
+                    # the server ends the stream with finish_reason "abort"; read on to its end
+                    self.client.post("/abort_request", json={"rid": abort_rid}, headers=self.headers)
+                    self._record(f"ABORTED {name}", (time.perf_counter() - start) * 1000)
+                    abort_rid = None
                 if not line.startswith("data:") or line.strip() == "data: [DONE]":
                     continue
                 new = tokens_in(json.loads(line[5:]), tokens)
@@ -81,6 +105,9 @@ class ServingUser(FastHttpUser):
             "stream": True,
             "sampling_params": {"max_new_tokens": random.choice(MAX_TOKENS), "temperature": 0.7},
         }
+        with_policy(body, "sampling_params")
+        if random.random() < ABORT_FRACTION:
+            body["rid"] = uuid.uuid4().hex  # to abort it by id (POST /abort_request)
         def tokens_in(chunk: dict, seen: int) -> int:
             return chunk.get("meta_info", {}).get("completion_tokens", seen) - seen
 
@@ -94,6 +121,7 @@ class ServingUser(FastHttpUser):
             "max_tokens": random.choice(MAX_TOKENS),
             "stream": True,
         }
+        with_policy(body, None)
 
         def tokens_in(chunk: dict, seen: int) -> int:  # a content delta is one token
             choices = chunk.get("choices") or [{}]

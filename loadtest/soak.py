@@ -1,0 +1,159 @@
+"""Soak: a CPU server under ``--policy lethe`` with rounds from ``--evict-threshold`` tokens, its
+KV conservation checks strict, loaded by locust (loadtest/locustfile.py: streaming /generate and
+chat, a mix of per-request policies, a fraction of /generate requests aborted on purpose) for
+``--duration``; then it must be idle with an exact pool, healthy, its log free of leaks and
+tracebacks, and no request may have failed that was not aborted on purpose.
+
+    python -m loadtest.soak --duration 10m --results-md benchmarks/RESULTS.md   # the long one
+    python -m loadtest.soak --duration 60s                                    # CI's (tests/)
+
+Writes locust's CSVs and HTML and a JSON summary under --out-dir; exits 1 on a failed check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+from sglang_ext.engine_process import EngineServer, engine_env, free_port
+
+HERE = Path(__file__).resolve().parent
+KV_POLICIES = [None, {"name": "full"}, {"recent_ratio": 0.5, "evict_threshold": 96}]
+ROUND = re.compile(r"lethe round \d+ of")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.soak", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", default="10m", help="locust --run-time (e.g. 60s, 10m)")
+    parser.add_argument("--users", type=int, default=6)
+    parser.add_argument("--abort-fraction", type=float, default=0.2)
+    parser.add_argument("--evict-threshold", type=int, default=128)
+    parser.add_argument("--locust", default=os.environ.get("LOCUST") or shutil.which("locust"),
+                        help="the locust executable (default: $LOCUST, else on PATH)")  # fmt: skip
+    parser.add_argument("--out-dir", type=Path, default=HERE / "results" / "soak")
+    parser.add_argument("--results-md", type=Path, default=None, help="append a section here")
+    return parser
+
+
+def wait_idle(url: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            loads = requests.get(f"{url}/v1/loads?include=core", timeout=30).json()["loads"]
+        except requests.Timeout:
+            continue
+        if all(load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0 for load in loads):
+            time.sleep(2)  # a few idle loops, each running SGLang's memory check
+            return
+        time.sleep(1)
+    raise TimeoutError(f"server still busy {timeout}s after the load stopped")
+
+
+def locust_totals(stats_csv: Path) -> dict[str, dict[str, int]]:
+    """Per locust entry name: requests and failures."""
+    with open(stats_csv) as f:
+        return {
+            f"{row['Type']} {row['Name']}": {
+                "requests": int(row["Request Count"]), "failures": int(row["Failure Count"])
+            }
+            for row in csv.DictReader(f)
+            if row["Name"] != "Aggregated"
+        }  # fmt: skip
+
+
+def run(args) -> dict:
+    if not args.locust:
+        raise SystemExit("--locust: no locust executable (pip install locust, or pass its path)")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    env = engine_env()
+    env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"] = "1"
+    env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] = "1"
+    env["OMP_NUM_THREADS"] = "1"
+    argv = [
+        sys.executable, "-m", "sglang_ext.launch", "--policy", "lethe",
+        "--policy-config", json.dumps({"evict_threshold": args.evict_threshold}),
+        "--port", str(port), "--dtype", "float32", "--enable-metrics", "--log-level", "info",
+    ]  # fmt: skip
+    log_path = args.out_dir / "server.log"
+    with EngineServer(argv, env, log_path, port) as server:
+        server.wait_ready()
+        load_env = {
+            **os.environ,
+            "LOADTEST_ABORT_FRACTION": str(args.abort_fraction),
+            "LOADTEST_KV_POLICIES": json.dumps(KV_POLICIES),
+        }
+        started = time.monotonic()
+        subprocess.run(
+            [args.locust, "-f", str(HERE / "locustfile.py"), "--headless", "--host", server.url,
+             "--users", str(args.users), "--spawn-rate", str(args.users), "--run-time", args.duration,
+             "--csv", str(args.out_dir / "locust"), "--html", str(args.out_dir / "locust.html"),
+             "--only-summary", "--exit-code-on-error", "0"],
+            env=load_env, check=True,
+        )  # fmt: skip
+        loaded_s = time.monotonic() - started
+        wait_idle(server.url)
+        healthy = requests.get(f"{server.url}/health", timeout=60).status_code == 200
+        log = server.log()
+    totals = locust_totals(args.out_dir / "locust_stats.csv")
+    requested = {k: v for k, v in totals.items() if not k.split(" ", 1)[1].startswith(("TTFT", "ITL", "ABORTED"))}
+    summary = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "duration": args.duration, "load_seconds": round(loaded_s, 1), "users": args.users,
+        "abort_fraction": args.abort_fraction, "kv_policies": KV_POLICIES,
+        "evict_threshold": args.evict_threshold,
+        "requests": sum(v["requests"] for v in requested.values()),
+        "failed": sum(v["failures"] for v in requested.values()),
+        "aborted_on_purpose": sum(v["requests"] for k, v in totals.items() if "ABORTED" in k),
+        "eviction_rounds": len(ROUND.findall(log)),
+        "healthy_after": healthy,
+        "leak_or_traceback_in_log": any(word in log for word in ("leak", "Leak", "Traceback")),
+        "entries": totals,
+    }
+    summary["passed"] = (
+        summary["failed"] == 0 and healthy and not summary["leak_or_traceback_in_log"]
+        and summary["requests"] > 0 and summary["eviction_rounds"] > 0
+    )  # fmt: skip
+    (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def results_section(summary: dict, command: str) -> str:
+    keys = ["requests", "failed", "aborted_on_purpose", "eviction_rounds", "healthy_after",
+            "leak_or_traceback_in_log", "passed"]  # fmt: skip
+    return "\n".join([
+        f"## soak · lethe · CPU ({os.cpu_count()} cores) · {summary['date']}", "",
+        f"- command: `{command}`",
+        f"- {summary['users']} locust users for {summary['duration']} ({summary['load_seconds']} s), "
+        f"{summary['abort_fraction']:.0%} of /generate aborted on purpose, per-request kv_policy mix "
+        f"{json.dumps(summary['kv_policies'])}, lethe evict_threshold {summary['evict_threshold']}, "
+        "SGLang's strict KV checks on",
+        "", "| " + " | ".join(keys) + " |", "|" + " ---: |" * len(keys),
+        "| " + " | ".join(str(summary[k]) for k in keys) + " |", "",
+    ])  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    summary = run(args)
+    print(json.dumps({k: v for k, v in summary.items() if k != "entries"}, indent=1), flush=True)
+    if args.results_md:
+        command = "python -m loadtest.soak " + " ".join(sys.argv[1:] if argv is None else argv)
+        with open(args.results_md, "a") as md:
+            md.write(results_section(summary, command) + "\n")
+    sys.exit(0 if summary["passed"] else 1)
+
+
+if __name__ == "__main__":
+    main()
