@@ -12,10 +12,11 @@ def register() -> None:
     from sglang_ext import cache_correction, eviction, scheduler
     from sglang_ext.backend import POLICY_BASES, policy_backend_factory
     from sglang_ext.config import active_policy
-    from sglang_ext.server import metrics, validation
+    from sglang_ext.server import metrics, report, validation
 
     validation.install()
     metrics.install()
+    report.install()
 
     for name in POLICY_BASES:
         current = ATTENTION_BACKENDS[name]

@@ -15,6 +15,7 @@ import pytest
 import requests
 
 from server import ServerProcess, free_port, policy_servers
+from sglang_ext.server import report
 
 pytestmark = pytest.mark.engine
 
@@ -126,9 +127,19 @@ def test_a_request_may_opt_out_or_set_its_own_lethe_parameters(healthy_after):
         if spec is not None:
             body["sampling_params"]["custom_params"] = {"kv_policy": spec}
         answer = requests.post(f"{server.url}/generate", json=body, timeout=600).json()
-        runs[label] = rounds_of(server, answer["meta_info"]["id"])
-    assert runs["served"] >= 1  # 18 prompt + 96 new tokens pass the threshold of 64
-    assert runs["full"] == 0 and runs["late"] == 0
+        runs[label] = rounds_of(server, answer["meta_info"]["id"]), answer["meta_info"]
+    assert runs["served"][0] >= 1  # 18 prompt + 96 new tokens pass the threshold of 64
+    assert runs["full"][0] == 0 and runs["late"][0] == 0
+    # each answer reports, per output token, the policy and the KV it held, evicted and attended
+    for label, (_, meta) in runs.items():
+        assert all(len(meta[key]) == 96 for key in report.KEYS), label
+        assert meta["kv_policy"][-1] == ("full" if label == "full" else "lethe")
+    total = runs["full"][1]["prompt_tokens"] + 96
+    served, full = runs["served"][1], runs["full"][1]
+    assert served["kv_evicted_tokens"][-1] > 0 and served["kv_retained_tokens"][-1] < total - 1
+    assert served["kv_retained_tokens"][-1] + served["kv_evicted_tokens"][-1] == total - 1
+    assert full["kv_evicted_tokens"][-1] == 0 and full["kv_retained_tokens"][-1] == total - 1
+    assert full["kv_attended_tokens"][-1] == total - 1
 
 
 def test_openai_request_chooses_its_policy(healthy_after):
@@ -140,6 +151,8 @@ def test_openai_request_chooses_its_policy(healthy_after):
     response = requests.post(f"{healthy_after.url}/v1/chat/completions", json=body, timeout=600)
     assert response.status_code == 200, response.text[:300]
     assert response.json()["usage"]["completion_tokens"] == 96
+    reported = response.json()["sglext"]["kv_policy"]
+    assert reported["name"] == "full" and reported["evicted_tokens"] == 0
     assert len(ROUND.findall(healthy_after.log())) == before  # one request at a time here
 
 
