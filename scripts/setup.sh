@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sets up the project's virtual environment (.venv, or $SGLANG_EXT_VENV) and installs sglang_ext into it.
+# Sets up the project's virtual environment (.venv, or $SGLANG_EXT_VENV) and installs sglang_ext into it,
+# and the test tools' (.venv-tools, or $SGLANG_EXT_TOOLS_VENV: locust, schemathesis).
 #   CUDA host: SGLang 0.5.17 with its own dependency closure (pip install -e .).
 #   No CUDA:   SGLang 0.5.17 without its CUDA-only closure, the packages its CPU engine imports,
 #              and torch/torchvision that load together (README, "Why the CPU install looks like this").
@@ -7,6 +8,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${SGLANG_EXT_VENV:-$root/.venv}
+tools=${SGLANG_EXT_TOOLS_VENV:-$root/.venv-tools}
 [[ -x "$venv/bin/python" ]] || python3 -m venv "$venv"
 py="$venv/bin/python"
 # sglang is installed without its CUDA closure on purpose, so pip's report of its missing
@@ -19,7 +21,7 @@ pip_install() {
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then host=cuda; else host=cpu; fi
 stamp="$venv/.sglang_ext-setup"
 want="$host $(cat "$root/pyproject.toml" "$root/requirements/"*.txt "$0" | sha256sum | cut -d' ' -f1)"
-if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" && -x "$tools/bin/st" ]]; then
   echo "setup: $venv is up to date ($host)"; exit 0
 fi
 
@@ -37,4 +39,9 @@ else
   pip_install -r "$root/requirements/test.txt"
 fi
 "$py" -c "import sglang, torch, torchvision, sglang_ext; print('setup: sglang', sglang.__version__, 'torch', torch.__version__, 'sglang_ext', sglang_ext.__version__)"
+# locust and schemathesis, which the soak and fuzz tests run as commands, in a venv of their own
+[[ -x "$tools/bin/python" ]] || python3 -m venv "$tools"
+"$tools/bin/python" -m pip install --disable-pip-version-check -q -r "$root/requirements/tools.txt" 2>&1 \
+  | { grep -v -e "is ignored: it is neither" || true; }
+"$tools/bin/locust" --version && "$tools/bin/st" --version
 echo "$want" > "$stamp"

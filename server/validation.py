@@ -8,6 +8,8 @@
   has a vocabulary check but never calls it), ``text`` and ``input_ids`` together (SGLang silently
   drops the text), and a ``custom_params.kv_policy`` the served policy does not allow
   (sglang_ext.request_policy), the message naming the field.
+- ``/v1/detokenize`` with a token id outside the vocabulary: 400 (the tokenizer's overflow was a
+  500), through an AROUND hook on its handler.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from sglang_ext.policies import PolicyConfigError
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
 _VALIDATE = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
+_DETOKENIZE = (
+    "sglang.srt.entrypoints.openai.serving_tokenize.OpenAIServingDetokenize._handle_non_streaming_request"
+)
 
 
 class RequestTooLarge(Exception):
@@ -86,8 +91,19 @@ def check_request(tokenizer_manager, obj, input_ids, *args, **kwargs):
     return None
 
 
+async def check_detokenize(handle, serving, adapted_request, request, *args, **kwargs):
+    vocab = serving.tokenizer_manager.model_config.vocab_size
+    tokens = request.tokens if isinstance(request.tokens, list) else []
+    flat = [t for row in tokens for t in (row if isinstance(row, list) else [row])]
+    bad = next((t for t in flat if isinstance(t, int) and not 0 <= t < vocab), None)
+    if bad is not None:
+        return serving.create_error_response(f"tokens: token id {bad} is outside the vocabulary [0, {vocab})")
+    return await handle(serving, adapted_request, request, *args, **kwargs)
+
+
 def install() -> None:
-    """Register the tokenizer-side check (from the plugin, before SGLang applies hooks)."""
+    """Register the request checks (from the plugin, before SGLang applies hooks)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(_VALIDATE, check_request, HookType.BEFORE)
+    HookRegistry.register(_DETOKENIZE, check_detokenize, HookType.AROUND)

@@ -16,7 +16,7 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 CACHE_ENV = "SGLANG_EXT_MODEL_CACHE"
 _COMPLETE_MARKER = "sglang_ext_converted.json"
 # Bumped when the converted folder changes, so an older conversion in the cache is redone.
-CONVERSION_FORMAT = 2
+CONVERSION_FORMAT = 3
 # The model card's recommended sampling; SGLang takes defaults from generation_config.json
 # (--sampling-defaults model), and at temperature 1 the 135M model rambles on past its answer.
 GENERATION_CONFIG = {
@@ -84,7 +84,11 @@ def convert_gguf(source: Path, target: Path) -> Path:
             ]  # GGUF metadata lacks it; SGLang needs it
             config.save_pretrained(work)
             bar.update()
-            AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(work)
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            # GGUF carries no limit, and HF's "no limit" sentinel (1e30) breaks JSON encoders
+            # (SGLang's /v1/tokenize answered 500 on every request)
+            tokenizer.model_max_length = config.max_position_embeddings
+            tokenizer.save_pretrained(work)
             (work / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
             bar.update()
             loaded = load_gguf_checkpoint(

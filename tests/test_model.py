@@ -17,6 +17,8 @@ def test_embedded_model_is_a_complete_hf_folder(model_path):
     assert str(embed.dtype) == "torch.bfloat16" and tuple(embed.shape) == (49152, 576)
     assert "im_start" in (model_path / "chat_template.jinja").read_text()
     assert (model_path / "tokenizer.json").is_file()
+    tokenizer_config = json.loads((model_path / "tokenizer_config.json").read_text())
+    assert tokenizer_config["model_max_length"] == config["max_position_embeddings"]
     generation = json.loads((model_path / "generation_config.json").read_text())
     assert (generation["temperature"], generation["eos_token_id"]) == (0.2, 2)
 
