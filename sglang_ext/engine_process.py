@@ -19,10 +19,19 @@ from sglang_ext.config import POLICY_ENV
 from sglang_ext.platform import cpu
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port never handed out before by this process: servers started side by side bind
+    theirs only after loading, and must not be given each other's."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def log_tail(path: Path, chars: int = 4000) -> str:
@@ -46,9 +55,14 @@ class EngineServer:
 
     def start(self) -> EngineServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        argv = list(self.argv)
+        if "--nccl-port" not in argv:
+            # SGLang picks its torch.distributed port at start-up and binds it later; servers
+            # starting together raced for the same one (EADDRINUSE). Hand it out like the HTTP port.
+            argv += ["--nccl-port", str(free_port())]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                self.argv,
+                argv,
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
