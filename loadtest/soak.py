@@ -46,20 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def wait_idle(url: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            loads = requests.get(f"{url}/v1/loads?include=core", timeout=30).json()["loads"]
-        except requests.Timeout:
-            continue
-        if all(load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0 for load in loads):
-            time.sleep(2)  # a few idle loops, each running SGLang's memory check
-            return
-        time.sleep(1)
-    raise TimeoutError(f"server still busy {timeout}s after the load stopped")
-
-
 def locust_totals(stats_csv: Path) -> dict[str, dict[str, int]]:
     """Per locust entry name: requests and failures."""
     with open(stats_csv) as f:
@@ -103,7 +89,7 @@ def run(args) -> dict:
             env=load_env, check=True,
         )  # fmt: skip
         loaded_s = time.monotonic() - started
-        wait_idle(server.url)
+        server.wait_idle(timeout=300)
         healthy = requests.get(f"{server.url}/health", timeout=60).status_code == 200
         log = server.log()
     totals = locust_totals(args.out_dir / "locust_stats.csv")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-import time
 from pathlib import Path
 
 import requests
@@ -21,20 +20,6 @@ class ServerProcess(EngineServer):
         response = requests.post(f"{self.url}/generate", json=body, timeout=timeout)
         response.raise_for_status()
         return response.json()
-
-    def wait_idle(self, timeout: float = 120) -> None:
-        """Until the scheduler has no running or queued request (its idle memory check then runs)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:  # the loads query waits on a scheduler that, on 2 cores beside other servers, can lag
-                loads = requests.get(f"{self.url}/v1/loads?include=core", timeout=30).json()["loads"]
-            except requests.Timeout:
-                continue
-            if all(load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0 for load in loads):
-                time.sleep(1)  # let a few idle loops (and their checks) pass
-                return
-            time.sleep(0.5)
-        raise TimeoutError(f"server still busy after {timeout}s")
 
 
 @contextlib.contextmanager
