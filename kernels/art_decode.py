@@ -96,10 +96,12 @@ def _art_stage1(
     MidO,
     MidLse,
     TilesRead,
+    TileCounts,
     sm_scale,
     tau,
     phi,
     patience,
+    RequestParams,
     always_read,
     stride_qb,
     stride_qh,
@@ -114,6 +116,7 @@ def _art_stage1(
     stride_mid_s,
     stride_lse_b,
     stride_lse_h,
+    stride_request_params,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -122,6 +125,8 @@ def _art_stage1(
     NUM_SPLITS: tl.constexpr,
     ORDER_SPAN: tl.constexpr,
     PROBE_STRIDE: tl.constexpr,
+    COUNT_TILES: tl.constexpr,
+    PER_REQUEST: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
 ):
     batch = tl.program_id(0).to(tl.int64)
@@ -136,7 +141,13 @@ def _art_stage1(
     probe = mask_d & (offs_d % PROBE_STRIDE == 0)
 
     seq_len = tl.load(SeqLens + batch)
-    req_row = ReqToToken + tl.load(ReqPoolIdx + batch).to(tl.int64) * stride_r2t
+    req_pool_idx = tl.load(ReqPoolIdx + batch).to(tl.int64)
+    req_row = ReqToToken + req_pool_idx * stride_r2t
+    if PER_REQUEST:  # this request's own (tau, phi, patience)
+        params = RequestParams + req_pool_idx * stride_request_params
+        tau = tl.load(params)
+        phi = tl.load(params + 1)
+        patience = tl.load(params + 2).to(tl.int32)
     order_row = batch * stride_order
     if ORDER_SPAN > 0:
         length = tl.load(NumOrder + batch) * ORDER_SPAN
@@ -201,6 +212,10 @@ def _art_stage1(
         go = (tile < num_tiles) & (stop == 0)
 
     tl.store(TilesRead + (batch * tl.num_programs(1) + kv_head) * NUM_SPLITS + split, read)
+    if COUNT_TILES:
+        share = tl.maximum(num_tiles - split + NUM_SPLITS - 1, 0) // NUM_SPLITS
+        tl.atomic_add(TileCounts, read.to(tl.int64))
+        tl.atomic_add(TileCounts + 1, share.to(tl.int64))
     mid = batch * stride_mid_b + heads * stride_mid_h + split * stride_mid_s
     has_tokens = e_sum > 0
     tl.store(
@@ -232,6 +247,8 @@ def art_decode(
     num_kv_splits: int = 8,
     out: torch.Tensor | None = None,
     tiles_read: torch.Tensor | None = None,
+    tile_counts: torch.Tensor | None = None,
+    request_params: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ART decode of q [batch, q_heads, dim] (module docstring). Without ``order``: recent-first
     over each request's whole cache after its first ``always_read`` tokens. With ``order``
@@ -239,7 +256,10 @@ def art_decode(
     entry j covers positions order[b, j] * order_span + r, r < order_span.
 
     Returns (out [batch, q_heads, dim] in q's dtype, tiles_read [batch, kv_heads, splits] int32:
-    the tiles each program read)."""
+    the tiles each program read). ``tile_counts`` (int64 [2]), when given, accumulates on the
+    device [tiles read, tiles the order holds] over all programs: what metrics report.
+    ``request_params`` (float32 [request slots, 3]), when given, holds each request's own
+    (tau, phi, patience) by its req_pool_indices entry, in place of the scalars."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     group = num_q_heads // num_kv_heads
@@ -256,15 +276,18 @@ def art_decode(
     _art_stage1[(batch, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
         order_arg, num_order if explicit else seq_lens, mid_out, mid_lse, tiles_read,
-        sm_scale, tau, phi, patience, always_read,
+        tiles_read if tile_counts is None else tile_counts, sm_scale, tau, phi, patience,
+        q if request_params is None else request_params, always_read,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0), order_arg.stride(0),
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
+        0 if request_params is None else request_params.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=TILE,
         NUM_SPLITS=num_kv_splits, ORDER_SPAN=order_span if explicit else 0,
-        PROBE_STRIDE=probe_stride, DOT_IN_FP32=_DOT_IN_FP32, num_warps=4, num_stages=2,
+        PROBE_STRIDE=probe_stride, COUNT_TILES=tile_counts is not None,
+        PER_REQUEST=request_params is not None, DOT_IN_FP32=_DOT_IN_FP32, num_warps=4, num_stages=2,
     )  # fmt: skip
     _stage2[(batch, num_q_heads)](
         mid_out, mid_lse, out, lse,
@@ -311,6 +334,8 @@ def art_decode_ref(
     num_order: torch.Tensor | None = None,
     order_span: int = 1,
     num_kv_splits: int = 8,
+    tile_counts: torch.Tensor | None = None,
+    request_params: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch oracle of art_decode (same arguments and returns; fp32), and the CPU engine's path:
     every split's running output after each of its tiles is computed at once (cumulative sums
@@ -322,10 +347,15 @@ def art_decode_ref(
     out = torch.zeros_like(q)
     tiles_read = torch.zeros(batch, num_kv_heads, splits, dtype=torch.int32)
     probe = torch.arange(head_dim, device=q.device) % probe_stride == 0
+    tiles_in_order = 0
+    own = request_params.cpu().tolist() if request_params is not None else None
     for b, (row, seq_len) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
+        if own is not None:
+            tau, phi, patience = own[row][0], own[row][1], int(own[row][2])
         entries = None if order is None else order[b, : int(num_order[b])].cpu()
         positions = traversal_positions(seq_len, always_read, entries, order_span).to(q.device)
         num_tiles = -(-positions.numel() // TILE)
+        tiles_in_order += num_tiles * num_kv_heads
         if num_tiles == 0:
             continue
         per_split = -(-num_tiles // splits)
@@ -379,4 +409,6 @@ def art_decode_ref(
             out[b, heads] = torch.where(
                 total[:, None] > 0, split_acc.sum(1) / total.clamp_min(1e-30)[:, None], 0.0
             ).to(q.dtype)
+    if tile_counts is not None:
+        tile_counts += torch.tensor([int(tiles_read.sum()), tiles_in_order], device=tile_counts.device)
     return out, tiles_read

@@ -19,13 +19,15 @@ def select_pages(
     num_recent: int,
     page_size: int = 16,
     by_importance: bool = False,
+    row_budget: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DELTA's choice of K = budget pages with a recency window of L = num_recent pages.
 
     page_scores [batch, max_pages] (entries past a request's last page are ignored) ->
     (selected [batch, budget] int32, num_selected [batch] int32). ``by_importance`` orders the
     kept pages for ART's traversal instead of ascending: the recent pages, latest first, then
-    the others by score, highest first.
+    the others by score, highest first. ``row_budget`` ([batch], each in [num_recent, budget])
+    gives a request its own smaller K; the output keeps its width ``budget``.
     """
     assert 0 <= num_recent <= budget, "the recency window must fit in the budget"
     max_pages = page_scores.shape[1]
@@ -35,7 +37,11 @@ def select_pages(
     # A top-k, not a sort: the score rows span the server's whole context (Tidal's: every token).
     num_top = min(budget - num_recent, max_pages)
     top = _rank_keys(page_scores, candidate).topk(num_top, dim=1).indices
-    top = torch.where(candidate.gather(1, top), top, max_pages)
+    kept_top = candidate.gather(1, top)
+    if row_budget is not None:  # topk ranks best first: a row keeps its first K_row - L
+        rank = torch.arange(num_top, device=page_scores.device)
+        kept_top &= rank < row_budget.long()[:, None] - num_recent
+    top = torch.where(kept_top, top, max_pages)
     recent = num_pages - num_recent + torch.arange(num_recent, device=page_scores.device)
     recent = torch.where(recent >= 0, recent, max_pages)
     if by_importance:
@@ -70,10 +76,11 @@ def select_tokens(
     budget: int,
     num_recent: int = 1,
     by_importance: bool = False,
+    row_budget: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """TidalDecode's top-`budget` tokens by score, always keeping the last `num_recent` tokens.
 
     By default that is the token being decoded, which TidalDecode's kernels attend to outside the
     top-k. Same output format as select_pages, for sparse_decode_attention with page_size=1.
     """
-    return select_pages(token_scores, seq_lens, budget, num_recent, 1, by_importance)
+    return select_pages(token_scores, seq_lens, budget, num_recent, 1, by_importance, row_budget)

@@ -22,6 +22,9 @@ from sglang_ext.policies.registry import register_policy
 @dataclasses.dataclass(frozen=True)
 class Art(KVPolicy):
     name = "art"
+    # read by the kernel per request (a table row); {"name": "full"} is patience 0: read it all
+    request_params = ("tau", "phi", "patience")
+    request_opt_out = True
     tau: float = 1e-5  # scale: ||x_t - x_{t-1}|| of the probe
     phi: float = 1e-3  # direction: 1 - cos(x_t, x_{t-1})
     patience: int = 5  # consecutive stable tiles before stopping; 0: never stop (p = inf)
@@ -41,7 +44,12 @@ class Art(KVPolicy):
                 self._error(field, f"must be >= 1, got {getattr(self, field)}")
 
     def decode_fns(self, ctx: DecodeContext) -> list[DecodeFn]:
-        return [self.full_decode(ctx)] * ctx.num_layers
+        return [self.full_decode(ctx, per_request=True)] * ctx.num_layers
+
+    def request_values(self, chosen: Art | None) -> tuple[float, ...]:
+        if chosen is None:
+            return (self.tau, self.phi, 0)
+        return (chosen.tau, chosen.phi, chosen.patience)
 
     def kernel_params(self) -> dict[str, Any]:
         return {
@@ -49,9 +57,10 @@ class Art(KVPolicy):
             "probe_stride": self.probe_stride, "num_kv_splits": self.num_kv_splits,
         }  # fmt: skip
 
-    def read(self, q, ctx: DecodeContext, layer, forward_batch, **order):
+    def read(self, q, ctx: DecodeContext, layer, forward_batch, per_request=False, **order):
         """ART's decode attention of q [batch, heads, dim] over the layer's cache (all of it
-        recent-first, or ``order``/``num_order``/``order_span``/``always_read``)."""
+        recent-first, or ``order``/``num_order``/``order_span``/``always_read``); with
+        ``per_request``, each request's own (tau, phi, patience) from ctx.request_values."""
         from sglang_ext.kernels import art_decode as art
 
         attend = art.art_decode if q.is_cuda else art.art_decode_ref
@@ -60,16 +69,17 @@ class Art(KVPolicy):
         out, _ = attend(
             q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
             ctx.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
-            layer.scaling, **self.kernel_params(), **order,
+            layer.scaling, **self.kernel_params(), **order, tile_counts=ctx.art_tile_counts,
+            request_params=ctx.request_values if per_request else None,
         )  # fmt: skip
         return out
 
-    def full_decode(self, ctx: DecodeContext) -> DecodeFn:
+    def full_decode(self, ctx: DecodeContext, per_request: bool = False) -> DecodeFn:
         def decode(q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
             if save_kv_cache and k is not None and v is not None:
                 ctx.write_kv(layer, forward_batch, k, v)
             q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-            return self.read(q, ctx, layer, forward_batch).view(q.shape[0], -1)
+            return self.read(q, ctx, layer, forward_batch, per_request).view(q.shape[0], -1)
 
         return decode
 

@@ -40,6 +40,12 @@ class DecodeContext:
     # ART (policies.art.Art) when it reads for this policy (BASE+art): sparse layers read their
     # selection through it, importance-first
     art: Any = None
+    # float32 [request slots, len(request_values)]: each request's own values of the policy's
+    # per-request decode parameters, by req_pool_indices (sglang_ext.request_policy); None when
+    # the policy has none
+    request_values: Any = None
+    # int64 [2] on the device: [tiles read, tiles in the traversal] of ART's reads (metrics)
+    art_tile_counts: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +71,15 @@ class KVPolicy:
 
     def validate(self) -> None:
         """Raise PolicyConfigError(field, ...) for an out-of-range parameter."""
+
+    def validate_request(self, chosen: KVPolicy) -> None:
+        """Raise PolicyConfigError(field, ...) where a request's own parameters (``chosen``:
+        this policy with them) do not fit what the server set up for this one."""
+
+    def request_values(self, chosen: KVPolicy | None) -> tuple[float, ...]:
+        """The values the decode kernels read per request (DecodeContext.request_values) for a
+        request decoding under ``chosen`` (None: it opted out); () when they read none."""
+        return ()
 
     def for_model(self, ctx: DecodeContext) -> KVPolicy:
         """This policy with parameters left to the model (unset layer lists) filled in."""

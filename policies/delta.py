@@ -30,6 +30,7 @@ class DeltaPolicy(SelectionPolicy):
     selection_field = "delta_layers"
     budget_field, recent_field = "budget_pages", "recent_pages"
     budget_unit_tokens = PAGE_SIZE
+    request_params = ("budget_pages",)  # at most the server's: it sizes the selection buffers
     full_layers: list[int] | None = None  # unset: calibration file, else [0, 1]
     delta_layers: list[int] | None = None  # unset: calibration file, else [2, 14, 22] at 28 layers
     budget_pages: int = 64
@@ -41,12 +42,12 @@ class DeltaPolicy(SelectionPolicy):
     def selection(self, ctx: DecodeContext) -> Selection:
         attend_and_score = _selection_attention(ctx.device)
 
-        def choose(token_scores, page_scores, seq_lens):
+        def choose(token_scores, page_scores, seq_lens, row_budget):
             if page_scores is None:
                 page_scores = page_sums(token_scores)
             return select_pages(
                 page_scores, seq_lens, self.budget_pages, self.recent_pages, PAGE_SIZE,
-                by_importance=ctx.art is not None,
+                by_importance=ctx.art is not None, row_budget=row_budget,
             )  # fmt: skip
 
         return Selection(

@@ -32,7 +32,8 @@ class Selection:
     """How a policy selects: units of ``page_size`` tokens, ``budget`` of them with the last
     ``num_recent`` always kept; ``attend_and_score`` runs a selection layer's full attention and
     returns (out, token_scores, page_scores or None); ``choose(token_scores, page_scores,
-    seq_lens)`` returns (selected [batch, budget] int32, num_selected [batch] int32)."""
+    seq_lens, row_budget)`` returns (selected [batch, budget] int32, num_selected [batch] int32);
+    ``row_budget`` ([batch], or None: ``budget`` for all) is each request's own budget."""
 
     unit: str  # "pages" or "tokens", for logs
     page_size: int
@@ -60,6 +61,18 @@ class SelectionPolicy(KVPolicy):
 
     def selecting_layers(self) -> list[int] | None:
         return getattr(self, self.selection_field)
+
+    def validate_request(self, chosen: SelectionPolicy) -> None:
+        budget = getattr(self, self.budget_field)
+        if getattr(chosen, self.budget_field) > budget:
+            self._error(
+                self.budget_field,
+                f"at most the server's {budget} (it sizes the selection buffers), "
+                f"got {getattr(chosen, self.budget_field)}",
+            )
+
+    def request_values(self, chosen: SelectionPolicy | None) -> tuple[float, ...]:
+        return (getattr(chosen, self.budget_field),)
 
     def validate(self) -> None:
         budget, recent = getattr(self, self.budget_field), getattr(self, self.recent_field)
@@ -177,7 +190,11 @@ class SelectionDecoder:
         if self.ctx.max_across_ranks is not None:
             # Each rank scored its own heads; the max over all heads makes every rank select alike.
             token_scores, page_scores = self.ctx.max_across_ranks(token_scores), None
-        selected, num_selected = self.rule.choose(token_scores, page_scores, forward_batch.seq_lens)
+        own = self.ctx.request_values
+        row_budget = None if own is None else own[forward_batch.req_pool_indices, 0]
+        selected, num_selected = self.rule.choose(
+            token_scores, page_scores, forward_batch.seq_lens, row_budget
+        )
         batch = q.shape[0]
         self.selected[:batch].copy_(selected)
         self.num_selected[:batch].copy_(num_selected)

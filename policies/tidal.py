@@ -27,6 +27,7 @@ class TidalPolicy(SelectionPolicy):
     name = "tidal"
     selection_field = "selection_layers"
     budget_field, recent_field = "budget_tokens", "recent_tokens"
+    request_params = ("budget_tokens",)  # at most the server's: it sizes the selection buffers
     full_layers: list[int] | None = None  # unset: calibration file, else [0, 1]
     selection_layers: list[int] | None = None  # unset: calibration file, else [2, 13 of 32]
     budget_tokens: int = 1024
@@ -50,10 +51,10 @@ class TidalPolicy(SelectionPolicy):
     def selection(self, ctx: DecodeContext) -> Selection:
         attend_and_score = _selection_attention(ctx.device)
 
-        def choose(token_scores, page_scores, seq_lens):
+        def choose(token_scores, page_scores, seq_lens, row_budget):
             return select_tokens(
                 token_scores, seq_lens, self.budget_tokens, self.recent_tokens,
-                by_importance=ctx.art is not None,
+                by_importance=ctx.art is not None, row_budget=row_budget,
             )  # fmt: skip
 
         return Selection(

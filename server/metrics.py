@@ -5,14 +5,18 @@ HTTP server's ``/metrics`` with SGLang's.
 
 Observed once per decode batch, from host data the scheduler already has (no device sync):
 through a HookRegistry AFTER hook on ``ForwardBatch.init_new``, which runs in the scheduler
-process for every batch it builds.
+process for every batch it builds. ART's tile counts are accumulated by its kernel on the device
+and copied back without waiting (``DeviceCounts``), so they lag a step or so.
 """
 
 from __future__ import annotations
 
 import time
 
+import torch
+
 from sglang_ext import eviction
+from sglang_ext.server import report
 
 PREFIX = "sglang_ext:"
 _INIT_NEW = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
@@ -20,8 +24,58 @@ _TOKEN_BUCKETS = tuple(float(2**i) for i in range(4, 18))
 _SECOND_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
 
 
+class DeviceCounts:
+    """Counters the decode kernels accumulate on the device, read without stalling them: each
+    poll starts a copy into pinned host memory and returns what the previous copy brought once
+    it has landed (None until then)."""
+
+    def __init__(self, counts: torch.Tensor):
+        self.counts = counts
+        self.on_cuda = counts.is_cuda
+        self.host = torch.zeros(counts.shape, dtype=counts.dtype, pin_memory=self.on_cuda)
+        self.copied = torch.cuda.Event() if self.on_cuda else None
+        self.pending = False
+
+    def poll(self) -> list[int] | None:
+        if not self.on_cuda:
+            return self.counts.tolist()
+        if self.pending and not self.copied.query():
+            return None
+        landed = self.host.tolist() if self.pending else None
+        self.host.copy_(self.counts, non_blocking=True)
+        self.copied.record()
+        self.pending = True
+        return landed
+
+
+class ArtMetrics:
+    def __init__(self, labels: dict[str, str], counts: torch.Tensor):
+        from prometheus_client import Counter, Gauge
+
+        self.read = Counter(f"{PREFIX}art_tiles_read", "KV tiles ART's kernel read",
+                            list(labels)).labels(**labels)
+        self.available = Counter(f"{PREFIX}art_tiles", "KV tiles in ART's traversals (read or skipped)",
+                                 list(labels)).labels(**labels)
+        self.skipped_ratio = Gauge(f"{PREFIX}art_skipped_tiles_ratio",
+                                   "share of KV tiles ART skipped, over the tiles counted since the last update",
+                                   list(labels), multiprocess_mode="mostrecent").labels(**labels)  # fmt: skip
+        self.device = DeviceCounts(counts)
+        self.seen = [0, 0]
+
+    def observe(self) -> None:
+        counts = self.device.poll()
+        if counts is None:
+            return
+        read, available = counts[0] - self.seen[0], counts[1] - self.seen[1]
+        self.seen = counts
+        if available > 0:
+            self.read.inc(read)
+            self.available.inc(available)
+            self.skipped_ratio.set(1.0 - read / available)
+
+
 class PolicyMetrics:
-    def __init__(self, policy_name: str):
+    def __init__(self, policy_name: str, art_tile_counts: torch.Tensor | None = None):
         from prometheus_client import Counter, Gauge, Histogram
 
         labels = {"policy": policy_name}
@@ -40,16 +94,16 @@ class PolicyMetrics:
                                   "host time of the policy per decode batch (eviction rounds, bookkeeping)",
                                   list(labels), buckets=_SECOND_BUCKETS).labels(**labels)  # fmt: skip
         self._seen = eviction.EvictionStats()
+        self.art = ArtMetrics(labels, art_tile_counts) if art_tile_counts is not None else None
 
     def observe_decode(self, policy, reqs, seq_lens: list[int], num_layers: int) -> None:
         started = time.perf_counter()
         logical = retained = 0
         for req, seq_len in zip(reqs, seq_lens, strict=True):
-            state = getattr(req, eviction.STATE_ATTR, None)
-            held = seq_len - state.evicted if state is not None else seq_len
+            _, held, _, attended = report.request_step(policy, req, seq_len, num_layers)
             logical += seq_len
             retained += held
-            self.attended.observe(held if state is not None else policy.attended_tokens(seq_len, num_layers))
+            self.attended.observe(attended)
         self.logical.set(logical)
         self.retained.set(retained)
         stats = eviction.STATS
@@ -57,6 +111,8 @@ class PolicyMetrics:
         self.evicted.inc(stats.freed_slots - self._seen.freed_slots)
         self.overhead.observe(stats.seconds - self._seen.seconds + time.perf_counter() - started)
         self._seen = eviction.EvictionStats(stats.rounds, stats.freed_slots, stats.seconds)
+        if self.art is not None:
+            self.art.observe()
 
 
 _metrics: PolicyMetrics | None = None
@@ -77,7 +133,9 @@ def install() -> None:
         ):
             return forward_batch
         if _metrics is None:
-            _metrics = PolicyMetrics(policy.name)
+            backend = model_runner.attn_backend
+            reads_with_art = policy.name == "art" or policy.name.endswith("+art")
+            _metrics = PolicyMetrics(policy.name, backend.art_tile_counts if reads_with_art else None)
         _metrics.observe_decode(
             policy, batch.reqs, forward_batch.seq_lens_cpu.tolist(),
             model_runner.model_config.num_hidden_layers,

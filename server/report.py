@@ -32,20 +32,27 @@ _COMPLETION = (
 )
 
 
+def request_step(policy, req, seq_len: int, num_layers: int, extend: bool = False):
+    """(own policy or None for full attention, KV tokens held, evicted so far, tokens attended
+    at this step) of one request of a batch; metrics observe the same."""
+    own = request_policy.of_request(policy, req)
+    state = getattr(req, eviction.STATE_ATTR, None)
+    evicted = state.evicted if state is not None else 0
+    held = seq_len - evicted
+    if extend or own is None:
+        attended = float(seq_len)
+    elif state is not None:
+        attended = float(held)
+    else:
+        attended = own.attended_tokens(seq_len, num_layers)
+    return own, held, evicted, attended
+
+
 def step_entries(policy, reqs, seq_lens: list[int], num_layers: int, extend: bool) -> dict[str, list]:
     """One entry per request of a batch for each of KEYS."""
     entries = {key: [] for key in KEYS}
     for req, seq_len in zip(reqs, seq_lens, strict=True):
-        own = request_policy.of_request(policy, req)
-        state = getattr(req, eviction.STATE_ATTR, None)
-        evicted = state.evicted if state is not None else 0
-        held = seq_len - evicted
-        if extend or own is None:
-            attended = float(seq_len)
-        elif state is not None:
-            attended = float(held)
-        else:
-            attended = policy.attended_tokens(seq_len, num_layers)
+        own, held, evicted, attended = request_step(policy, req, seq_len, num_layers, extend)
         entries["kv_policy"].append(request_policy.FULL if own is None else policy.name)
         entries["kv_retained_tokens"].append(held)
         entries["kv_evicted_tokens"].append(evicted)

@@ -32,16 +32,28 @@ class PolicyDispatchMixin:
     def __init__(self, model_runner, policy: KVPolicy):
         super().__init__(model_runner)
         model_config = model_runner.model_config
+        device = torch.device(model_runner.device)
+        req_to_token = self.req_to_token_pool.req_to_token
+        # every request pool row starts at the server's values; request_values.install fills a
+        # request's own at its prefill
+        defaults = policy.request_values(policy)
+        self.request_values = (
+            torch.tensor([defaults] * req_to_token.shape[0], dtype=torch.float32, device=device)
+            if defaults else None
+        )  # fmt: skip
+        self.art_tile_counts = torch.zeros(2, dtype=torch.int64, device=device)
         context = DecodeContext(
             num_layers=model_config.num_hidden_layers,
             base_decode=super().forward_decode,
             write_kv=self.write_decode_kv,
             kv_pool=self.token_to_kv_pool,
-            req_to_token=self.req_to_token_pool.req_to_token,
+            req_to_token=req_to_token,
             max_batch_size=self.req_to_token_pool.size,
-            device=torch.device(model_runner.device),
+            device=device,
             model_fingerprint=model_fingerprint(model_config.hf_config),
             max_across_ranks=_max_across_attention_ranks(),
+            request_values=self.request_values,
+            art_tile_counts=self.art_tile_counts,
         )
         self.kv_policy = policy.for_model(context)
         self.policy_runtime = self.kv_policy.runtime(context)

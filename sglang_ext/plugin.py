@@ -9,7 +9,7 @@ def register() -> None:
         register_attention_backend,
     )
 
-    from sglang_ext import cache_correction, eviction, scheduler
+    from sglang_ext import cache_correction, eviction, request_policy, scheduler
     from sglang_ext.backend import POLICY_BASES, policy_backend_factory
     from sglang_ext.config import active_policy
     from sglang_ext.server import metrics, report, validation
@@ -17,6 +17,7 @@ def register() -> None:
     validation.install()
     metrics.install()
     report.install()
+    request_policy.install()
 
     for name in POLICY_BASES:
         current = ATTENTION_BACKENDS[name]

@@ -22,12 +22,15 @@ CONFIGS = {
     "art": ("art", None),
     "delta+art": ("delta+art", {"budget_pages": 16, "recent_pages": 2}),
 }
+# a looser ART that skips tiles on short prompts, so its metrics have something to count
+LOOSE = {"tau": 1e-2, "phi": 1e-1, "patience": 1}
 
 
 @pytest.fixture(scope="module")
 def servers(model_path, strict_env, tmp_path_factory):
     logs = tmp_path_factory.mktemp("art-logs")
     configs = {name: (policy, config, COMMON) for name, (policy, config) in CONFIGS.items()}
+    configs["art"] = (*configs["art"][:2], [*COMMON, "--enable-metrics"])
     with policy_servers(model_path, strict_env, logs, configs) as started:
         yield started
 
@@ -58,6 +61,42 @@ def test_the_composition_is_served_as_configured(servers):
     params = ast.literal_eval(described[1])
     assert params["name"] == "delta+art" and params["budget_pages"] == 16
     assert params["art"]["patience"] == 5
+
+
+def _greedy_ids(server, prompt: str, kv_policy: dict | None = None) -> list[int]:
+    sampling = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    if kv_policy is not None:
+        sampling["custom_params"] = {"kv_policy": kv_policy}
+    response = requests.post(f"{server.url}/generate", json={"text": prompt, "sampling_params": sampling}, timeout=300)
+    response.raise_for_status()
+    return response.json()["output_ids"]
+
+
+def test_a_request_may_set_its_own_thresholds_or_read_everything(servers):
+    """patience 0 or {"name": "full"} in a request is termination off for it alone: full
+    attention's tokens; its own looser thresholds make it the looser setting's request."""
+    art = servers["art"]
+    for opt_out in ({"name": "full"}, {"patience": 0}):
+        assert _greedy_ids(art, PROMPTS[1], opt_out) == _greedy_ids(servers["full"], PROMPTS[1])
+    long_prompt = " ".join(f"Note {i}: the weather was mild and the market was calm." for i in range(60))
+    before = _tiles(art)
+    _greedy_ids(art, long_prompt, {"name": "full"})
+    read_all = _tiles(art)
+    _greedy_ids(art, long_prompt, LOOSE)
+    loose = _tiles(art)
+    assert read_all[0] - before[0] == read_all[1] - before[1] > 0  # every tile read
+    assert loose[0] - read_all[0] < loose[1] - read_all[1]  # some skipped
+
+
+def _tiles(server) -> tuple[float, float]:
+    """(tiles read, tiles in the traversals) so far, from the extension's Prometheus metrics;
+    they lag the kernel by a step or so (copied back without waiting)."""
+    text = requests.get(f"{server.url}/metrics", timeout=30).text
+    values = {}
+    for name in ("art_tiles_read_total", "art_tiles_total"):
+        found = re.search(rf"^sglang_ext:{name}{{[^}}]*}} (\S+)$", text, re.M)
+        values[name] = float(found[1]) if found else 0.0
+    return values["art_tiles_read_total"], values["art_tiles_total"]
 
 
 def test_no_kv_leak_after_the_requests(servers):

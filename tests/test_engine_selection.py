@@ -3,6 +3,7 @@ beside ``--policy full``."""
 
 import ast
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -78,6 +79,26 @@ def test_a_small_budget_selects_the_budget_and_still_answers(servers, policy):
     assert int(match[1]) == budget < int(match[2])
 
 
+def test_a_request_may_choose_a_smaller_budget_of_its_own(servers):
+    """On the 1024-token tidal server, a request asking for 64 tokens decodes as the 64-token
+    server does, in one batch with a request that asks nothing (which decodes as before)."""
+    own = {"custom_params": {"kv_policy": {"budget_tokens": 64}}}
+    prompt = {"text": LONG_PROMPT}
+    with ThreadPoolExecutor(2) as pool:
+        mine, default = pool.map(
+            lambda extra: _greedy(servers["tidal"], None, 12, **prompt, sampling_extra=extra),
+            [own, {}],
+        )
+    assert mine["output_ids"] == _greedy(servers["tidal_small"], None, 12, **prompt)["output_ids"]
+    assert default["output_ids"] == _greedy(servers["tidal"], None, 12, **prompt)["output_ids"]
+    held = default["meta_info"]["kv_retained_tokens"][-1]
+    assert default["meta_info"]["kv_attended_tokens"][-1] == held  # 1024 tokens cover it all
+    assert 64 < mine["meta_info"]["kv_attended_tokens"][-1] < held
+    over = {"text": "hi", "sampling_params": {"custom_params": {"kv_policy": {"budget_pages": 65}}}}
+    refused = requests.post(f"{servers['delta'].url}/generate", json=over, timeout=60)
+    assert refused.status_code == 400 and "kv_policy.budget_pages" in refused.text
+
+
 def test_no_kv_leak_after_the_requests(servers):
     for server in servers.values():
         server.wait_idle()
@@ -85,9 +106,9 @@ def test_no_kv_leak_after_the_requests(servers):
         assert "leak" not in server.log().lower()
 
 
-def _greedy(server, input_ids, max_new_tokens, **extra):
-    payload = {"input_ids": input_ids, **extra,
-               "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+def _greedy(server, input_ids, max_new_tokens, sampling_extra=None, **extra):
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True, **(sampling_extra or {})}
+    payload = {**({"input_ids": input_ids} if input_ids is not None else {}), **extra, "sampling_params": sampling}
     response = requests.post(f"{server.url}/generate", json=payload, timeout=300)
     response.raise_for_status()
     return response.json()

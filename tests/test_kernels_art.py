@@ -124,3 +124,33 @@ def test_an_explicit_page_order_reads_the_selection_in_its_order(patience):
             sm_scale=sm_scale, page_size=16,
         )  # fmt: skip
         torch.testing.assert_close(out, sparse, **OUT_TOL[torch.float16])
+
+
+def test_tile_counts_add_up_what_every_program_read_and_could_have_read():
+    batch, sm_scale = cache()
+    heavy_head_tile(batch)
+    counts = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    counts_ref = torch.zeros(2, dtype=torch.int64)
+    for _ in range(2):  # they accumulate
+        _, tiles = art_decode(**batch, sm_scale=sm_scale, **ART, patience=3, always_read=4, tile_counts=counts)
+        art_decode_ref(**batch, sm_scale=sm_scale, **ART, patience=3, always_read=4, tile_counts=counts_ref)
+    in_order = sum(2 * math.ceil(n / TILE) for n in SEQ_LENS)
+    assert counts.tolist() == counts_ref.tolist() == [2 * int(tiles.sum()), 2 * in_order]
+    assert counts[0] < counts[1]  # the long requests stopped early
+
+
+def test_each_request_may_have_its_own_tau_phi_patience():
+    """A table by request pool row; patience 0 in a row is full attention for that request."""
+    batch, sm_scale = cache()
+    heavy_head_tile(batch)
+    rows = batch["req_pool_indices"].tolist()
+    table = torch.tensor([[1e-5, 1e-3, 3.0]] * (max(rows) + 1), device=DEVICE)
+    table[rows[0], 2] = 0  # request 0 opts out
+    table[rows[1]] = torch.tensor([1e-5, 1e-3, 1.0])
+    (out, tiles), (out_ref, tiles_ref) = run_both(batch, sm_scale, patience=3, always_read=4, request_params=table)
+    assert torch.equal(tiles, tiles_ref)
+    torch.testing.assert_close(out, out_ref, **OUT_TOL[torch.float16])
+    assert tiles[0].tolist() == [all_tiles(SEQ_LENS[0])] * 2  # read it all
+    assert tiles[1].tolist() == [[2] * SPLITS] * 2  # stopped after 1 + patience 1
+    _, alone = art_decode(**batch, sm_scale=sm_scale, **ART, patience=3, always_read=4)
+    assert torch.equal(tiles[2], alone[2].cpu())  # the table's default row: the scalars' result

@@ -90,6 +90,24 @@ def test_tokens_keep_the_current_one_and_the_top_scored():
     assert selected.tolist() == [[1, 3, 5]] and count.tolist() == [3]
 
 
+@pytest.mark.parametrize("by_importance", [False, True])
+def test_each_request_may_select_a_smaller_budget_of_its_own(by_importance):
+    """A row's budget selects as a call with that budget would, padded to the server's."""
+    gen = torch.Generator().manual_seed(1)
+    seq_lens = [20, 300, 513, 513, 700]
+    row_budget = [6, 2, 4, 6, 3]
+    scores = torch.rand(len(seq_lens), 48, generator=gen).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    own = torch.tensor(row_budget, dtype=torch.float32, device=DEVICE)  # as the request table holds it
+    selected, count = select_pages(scores, lens, 6, 2, 16, by_importance, row_budget=own)
+    assert selected.shape == (5, 6)
+    for b, budget in enumerate(row_budget):
+        alone, alone_count = select_pages(scores[b : b + 1], lens[b : b + 1], budget, 2, 16, by_importance)
+        n = int(alone_count)
+        assert int(count[b]) == n and selected[b, :n].tolist() == alone[0, :n].tolist()
+        assert selected[b, n:].tolist() == [0] * (6 - n)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="host syncs only show on a GPU")
 def test_selection_never_syncs_with_the_host():
     scores = torch.rand(4, 64, device=DEVICE)
@@ -99,5 +117,6 @@ def test_selection_never_syncs_with_the_host():
     try:
         select_pages(scores, seq_lens, budget=8, num_recent=2)
         select_tokens(scores, seq_lens, budget=8)
+        select_pages(scores, seq_lens, budget=8, num_recent=2, row_budget=seq_lens // 100 + 2)
     finally:
         torch.cuda.set_sync_debug_mode("default")

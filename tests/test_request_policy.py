@@ -10,6 +10,9 @@ from sglang_ext.request_policy import request_policy
 from sglang_ext.server.validation import BodyLimit
 
 LETHE = build_policy("lethe", {"evict_threshold": 256})
+DELTA = build_policy("delta", {"budget_pages": 32, "recent_pages": 4})
+TIDAL = build_policy("tidal", {"budget_tokens": 256})
+ART = build_policy("art", {"patience": 3})
 
 
 def test_no_spec_is_the_served_policy_and_full_opts_out():
@@ -23,6 +26,17 @@ def test_own_parameters_override_only_those_given():
     assert own.recent_ratio == 0.5 and own.evict_threshold == 256 and own.decay == LETHE.decay
 
 
+def test_selection_budgets_and_art_thresholds_per_request_become_kernel_values():
+    own = request_policy(DELTA, {"kv_policy": {"name": "delta", "budget_pages": 8}})
+    assert own.budget_pages == 8 and own.recent_pages == 4
+    assert DELTA.request_values(DELTA) == (32,) and DELTA.request_values(own) == (8,)
+    assert TIDAL.request_values(request_policy(TIDAL, {"kv_policy": {"budget_tokens": 64}})) == (64,)
+    own = request_policy(ART, {"kv_policy": {"tau": 1e-3, "patience": 1}})
+    assert ART.request_values(own) == (1e-3, ART.phi, 1)
+    assert ART.request_values(request_policy(ART, {"kv_policy": {"name": "full"}})) == (ART.tau, ART.phi, 0)
+    assert LETHE.request_values(LETHE) == ()  # its own values are the scheduler's, not a kernel's
+
+
 @pytest.mark.parametrize(
     "served, spec, field",
     [
@@ -33,8 +47,14 @@ def test_own_parameters_override_only_those_given():
         (LETHE, {"name": "tidal"}, "kv_policy.name"),
         (LETHE, {"name": "full", "recent_ratio": 0.5}, "kv_policy.recent_ratio"),
         (LETHE, [1, 2], "kv_policy"),
-        (build_policy("delta", {}), {"name": "full"}, "kv_policy.name"),
-        (build_policy("delta", {}), {"budget_pages": 8}, "kv_policy.budget_pages"),
+        (DELTA, {"name": "full"}, "kv_policy.name"),
+        (DELTA, {"budget_pages": 33}, "kv_policy.budget_pages"),  # over the server's
+        (DELTA, {"budget_pages": 3}, "kv_policy.recent_pages"),  # under its recent pages
+        (DELTA, {"recent_pages": 2}, "kv_policy.recent_pages"),
+        (TIDAL, {"budget_tokens": 0}, "kv_policy.budget_tokens"),
+        (ART, {"patience": -1}, "kv_policy.patience"),
+        (ART, {"num_kv_splits": 4}, "kv_policy.num_kv_splits"),
+        (build_policy("delta+art", {}), {"budget_pages": 8}, "kv_policy.budget_pages"),
     ],
 )
 def test_what_a_request_may_not_choose_is_refused_naming_the_field(served, spec, field):
