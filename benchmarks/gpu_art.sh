@@ -18,7 +18,7 @@ export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH
 
 case "${1:?tests, kernels, decode or quality}" in
   tests)
-    "$python" -m pytest -q -p no:cacheprovider -m "not engine" tests/test_kernels_art.py \
+    "$python" -m pytest -q -p no:cacheprovider -m "not engine" tests/test_kernels_art.py tests/test_kernels_page_select.py \
       tests/test_policy_art.py tests/test_kernels_sparse_decode.py tests/test_kernels_selection.py ;;
   kernels)
     source benchmarks/gpu_smol_model.sh

@@ -11,7 +11,8 @@ weights, default 1 and 1), LOADTEST_API_KEY (sent as a bearer token when set),
 LOADTEST_KV_POLICIES (a JSON list of ``custom_params.kv_policy`` values, one picked per request;
 null: the server's policy), LOADTEST_ABORT_FRACTION (that fraction of /generate requests is aborted
 through ``POST /abort_request`` after its first tokens, on purpose: recorded as ``ABORTED …``,
-not as a failure).
+not as a failure), LOADTEST_IGNORE_EOS=1 (every request generates its max tokens: fixed lengths,
+for comparing servers), LOADTEST_TEMPERATURE (default 0.7).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ MAX_TOKENS = _ints("LOADTEST_MAX_TOKENS", "16,64")
 KV_POLICIES = json.loads(os.environ.get("LOADTEST_KV_POLICIES", "[null]"))
 ABORT_FRACTION = float(os.environ.get("LOADTEST_ABORT_FRACTION", "0"))
 ABORT_AFTER_TOKENS = 4
+IGNORE_EOS = os.environ.get("LOADTEST_IGNORE_EOS") == "1"
+TEMPERATURE = float(os.environ.get("LOADTEST_TEMPERATURE", "0.7"))
 
 
 def with_policy(body: dict, params_key: str | None) -> dict:
@@ -103,8 +106,11 @@ class ServingUser(FastHttpUser):
         body = {
             "text": prompt(random.choice(PROMPT_WORDS)),
             "stream": True,
-            "sampling_params": {"max_new_tokens": random.choice(MAX_TOKENS), "temperature": 0.7},
-        }
+            "sampling_params": {
+                "max_new_tokens": random.choice(MAX_TOKENS), "temperature": TEMPERATURE,
+                "ignore_eos": IGNORE_EOS,
+            },
+        }  # fmt: skip
         with_policy(body, "sampling_params")
         if random.random() < ABORT_FRACTION:
             body["rid"] = uuid.uuid4().hex  # to abort it by id (POST /abort_request)
@@ -119,6 +125,8 @@ class ServingUser(FastHttpUser):
             "model": "default",
             "messages": [{"role": "user", "content": prompt(random.choice(PROMPT_WORDS))}],
             "max_tokens": random.choice(MAX_TOKENS),
+            "temperature": TEMPERATURE,
+            "ignore_eos": IGNORE_EOS,
             "stream": True,
         }
         with_policy(body, None)

@@ -13,19 +13,17 @@ Writes locust's CSVs and HTML and a JSON summary under --out-dir; exits 1 on a f
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import json
 import os
 import re
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import requests
 
+from loadtest import driver
 from sglang_ext.engine_process import EngineServer, engine_env, free_port
 
 HERE = Path(__file__).resolve().parent
@@ -46,18 +44,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def locust_totals(stats_csv: Path) -> dict[str, dict[str, int]]:
-    """Per locust entry name: requests and failures."""
-    with open(stats_csv) as f:
-        return {
-            f"{row['Type']} {row['Name']}": {
-                "requests": int(row["Request Count"]), "failures": int(row["Failure Count"])
-            }
-            for row in csv.DictReader(f)
-            if row["Name"] != "Aggregated"
-        }  # fmt: skip
-
-
 def run(args) -> dict:
     if not args.locust:
         raise SystemExit("--locust: no locust executable (pip install locust, or pass its path)")
@@ -75,25 +61,13 @@ def run(args) -> dict:
     log_path = args.out_dir / "server.log"
     with EngineServer(argv, env, log_path, port) as server:
         server.wait_ready()
-        load_env = {
-            **os.environ,
-            "LOADTEST_ABORT_FRACTION": str(args.abort_fraction),
-            "LOADTEST_KV_POLICIES": json.dumps(KV_POLICIES),
-        }
-        started = time.monotonic()
-        subprocess.run(
-            [args.locust, "-f", str(HERE / "locustfile.py"), "--headless", "--host", server.url,
-             "--users", str(args.users), "--spawn-rate", str(args.users), "--run-time", args.duration,
-             "--csv", str(args.out_dir / "locust"), "--html", str(args.out_dir / "locust.html"),
-             "--only-summary", "--exit-code-on-error", "0"],
-            env=load_env, check=True,
-        )  # fmt: skip
-        loaded_s = time.monotonic() - started
+        mix = {"LOADTEST_ABORT_FRACTION": str(args.abort_fraction), "LOADTEST_KV_POLICIES": json.dumps(KV_POLICIES)}
+        loaded_s = driver.run_locust(args.locust, server.url, args.out_dir, args.users, args.duration, mix)
         server.wait_idle(timeout=300)
         healthy = requests.get(f"{server.url}/health", timeout=60).status_code == 200
         log = server.log()
-    totals = locust_totals(args.out_dir / "locust_stats.csv")
-    requested = {k: v for k, v in totals.items() if not k.split(" ", 1)[1].startswith(("TTFT", "ITL", "ABORTED"))}
+    totals = driver.read_stats(args.out_dir / "locust_stats.csv")
+    requested = {k: v for k, v in totals.items() if driver.is_request(k)}
     summary = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "duration": args.duration, "load_seconds": round(loaded_s, 1), "users": args.users,

@@ -5,4 +5,10 @@ set -euo pipefail
 rm -rf /tmp/ext
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ext .gpu/ext/*.whl .gpu/ext/test/*.whl \
   2>&1 | { grep -v WARNING || true; }
-echo "sglang_ext and pytest installed into /tmp/ext"
+# locust apart from SGLang's site (its pins are not SGLang's); /tmp/locust/bin/locust runs it
+rm -rf /tmp/locust && mkdir -p /tmp/locust/bin
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/locust .gpu/ext/locust/*.whl \
+  2>&1 | { grep -v WARNING || true; }
+printf '#!/bin/sh\nPYTHONPATH=/tmp/locust exec python3 -m locust "$@"\n' > /tmp/locust/bin/locust
+chmod +x /tmp/locust/bin/locust
+echo "sglang_ext and pytest installed into /tmp/ext, locust into /tmp/locust"
