@@ -17,6 +17,8 @@ SEQ_LENS = (1000, 700, 37)
 MAX_CONTEXT = 1024
 SPLITS = 4
 ART = {"tau": 1e-5, "phi": 1e-3, "num_kv_splits": SPLITS}
+# fp32 inputs: exact dots under the interpreter, TF32 dots (10-bit mantissa) compiled on CUDA
+FP32_NOISE = 1e-5 if DEVICE == "cpu" else 2e-3
 
 
 def cache(dtype=torch.float16):
@@ -93,7 +95,7 @@ def test_error_stays_within_the_truncation_bound():
             skipped[read] = False
             for h in (2 * g, 2 * g + 1):
                 unread = torch.softmax(logits[h], dim=-1)[skipped].sum()
-                assert (out[b, h] - full[b, h]).norm() <= 2 * c_v * unread + 1e-5  # fp32 noise
+                assert (out[b, h] - full[b, h]).norm() <= 2 * c_v * unread + FP32_NOISE
 
 
 def test_sinks_are_read_before_any_stop():
