@@ -7,17 +7,21 @@ the request held after that step), ``kv_evicted_tokens`` (freed by eviction so f
 ``kv_attended_tokens`` (tokens attended at that step, mean over layers, before ART's early stop).
 The last entries are the request's state at its end.
 
-OpenAI ``/v1/chat/completions`` and ``/v1/completions`` (non-streaming): the response's ``sglext``
-object (SGLang's place for extension fields) gets ``kv_policy``: {name, retained_kv_tokens,
-evicted_tokens, mean_attended_tokens}.
+OpenAI ``/v1/chat/completions`` and ``/v1/completions``: the response's ``sglext`` object (SGLang's
+place for extension fields) gets ``kv_policy``: {name, retained_kv_tokens, evicted_tokens,
+mean_attended_tokens}, of the first choice; a stream gets it in a last chunk of its own (no
+choices, as SGLang's own ``sglext`` chunk) before ``[DONE]``.
 
 Hooks (HookRegistry): ``ForwardBatch.init_new`` AFTER keeps the batch's requests on the forward
 batch; ``ModelRunner.forward`` AROUND fills the step's entries into its ``logits_output``, from
-host data only; the OpenAI builders AFTER add the summary.
+host data only; the OpenAI builders AFTER add the summary; for streams, an AROUND hook on each
+stream generator marks its request, and one on ``TokenizerManager.generate_request`` keeps the
+latest meta_info on a marked request.
 """
 
 from __future__ import annotations
 
+import time
 from statistics import fmean
 
 from sglang_ext import eviction, request_policy
@@ -30,6 +34,13 @@ _CHAT = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._build_cha
 _COMPLETION = (
     "sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion._build_completion_response"
 )
+_GENERATE = "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request"
+_CHAT_STREAM = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._generate_chat_stream"
+_COMPLETION_STREAM = (
+    "sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion._generate_completion_stream"
+)
+_LAST_META = "_sglang_ext_last_meta"  # on a streamed OpenAI request's GenerateReqInput
+_DONE = "data: [DONE]\n\n"
 
 
 def request_step(policy, req, seq_len: int, num_layers: int, extend: bool = False):
@@ -85,6 +96,35 @@ def _with_summary(response, ret):
     return ORJSONResponse(content=body)
 
 
+async def keep_last_meta(generate, manager, obj, *args, **kwargs):
+    """TokenizerManager.generate_request, keeping the latest meta_info of the first output on a
+    request a stream marked (``_LAST_META``); others pass through untouched."""
+    marked = hasattr(obj, _LAST_META)
+    async for out in generate(manager, obj, *args, **kwargs):
+        first = out[0] if isinstance(out, list) and out else out
+        if marked and isinstance(first, dict) and "meta_info" in first:
+            setattr(obj, _LAST_META, first["meta_info"])
+        yield out
+
+
+def stream_with_report(chunk_object: str):
+    """An AROUND hook for an OpenAI stream generator: its chunks, then the report before [DONE]."""
+    import orjson
+
+    async def stream(generate_stream, serving, adapted_request, request, *args, **kwargs):
+        setattr(adapted_request, _LAST_META, None)
+        async for chunk in generate_stream(serving, adapted_request, request, *args, **kwargs):
+            meta = getattr(adapted_request, _LAST_META)
+            report = summary(meta) if chunk == _DONE and meta else None
+            if report is not None:
+                body = {"id": meta["id"], "object": chunk_object, "created": int(time.time()),
+                        "model": request.model, "choices": [], "sglext": {"kv_policy": report}}  # fmt: skip
+                yield f"data: {orjson.dumps(body).decode()}\n\n"
+            yield chunk
+
+    return stream
+
+
 def install() -> None:
     """Register the hooks (from the plugin, before SGLang applies hooks)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -119,3 +159,6 @@ def install() -> None:
     HookRegistry.register(_FORWARD, report_step, HookType.AROUND)
     HookRegistry.register(_CHAT, chat_summary, HookType.AFTER)
     HookRegistry.register(_COMPLETION, chat_summary, HookType.AFTER)
+    HookRegistry.register(_GENERATE, keep_last_meta, HookType.AROUND)
+    HookRegistry.register(_CHAT_STREAM, stream_with_report("chat.completion.chunk"), HookType.AROUND)
+    HookRegistry.register(_COMPLETION_STREAM, stream_with_report("text_completion"), HookType.AROUND)

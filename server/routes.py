@@ -10,11 +10,12 @@ from sglang_ext.policies.art import Art, ArtOver
 
 
 def policy_info(policy: KVPolicy) -> dict[str, Any]:
-    """What ``GET /policy`` answers: the policy served, its parameters' schema, the names a
-    ``--policy`` may take."""
+    """What ``GET /policy`` answers: the policy served, its parameters' schema, what a request
+    may choose for itself (sglang_ext.request_policy), the names a ``--policy`` may take."""
     return {
         "policy": policy.describe(),
         "parameters": policy.schema(),
+        "per_request": {"parameters": list(policy.request_params), "full": policy.request_opt_out},
         "available": [*policy_names(), *(f"{base}+{Art.name}" for base in ArtOver.COMPOSABLE)],
     }
 

@@ -52,6 +52,8 @@ class EngineServer:
         self.argv, self.env, self.log_path, self.port = argv, env, log_path, port
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
+        key = argv[argv.index("--api-key") + 1] if "--api-key" in argv else None
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}  # what its clients send
 
     def start(self) -> EngineServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -96,7 +98,9 @@ class EngineServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:  # the loads query waits on a scheduler that, on 2 cores beside other servers, can lag
-                loads = requests.get(f"{self.url}/v1/loads?include=core", timeout=30).json()["loads"]
+                loads = requests.get(
+                    f"{self.url}/v1/loads?include=core", headers=self.headers, timeout=30
+                ).json()["loads"]
             except requests.Timeout:
                 continue
             if all(load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0 for load in loads):

@@ -17,7 +17,7 @@ __all__ = ["ServerProcess", "free_port", "policy_servers"]
 class ServerProcess(EngineServer):
     def generate(self, text, max_new_tokens: int = 32, timeout: float = 300) -> dict | list:
         body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
-        response = requests.post(f"{self.url}/generate", json=body, timeout=timeout)
+        response = requests.post(f"{self.url}/generate", json=body, headers=self.headers, timeout=timeout)
         response.raise_for_status()
         return response.json()
 

@@ -113,3 +113,6 @@ def test_the_policy_endpoint_describes_the_served_policy(servers):
     assert info["parameters"]["budget_pages"] == {"type": "int", "default": 64}
     assert info["parameters"]["art"]["patience"] == {"type": "int", "default": 5}
     assert {"lethe", "art", "tidal+art"} <= set(info["available"])
+    assert info["per_request"] == {"parameters": [], "full": False}  # a composition: server-wide
+    art = requests.get(f"{servers['art'].url}/policy", timeout=30).json()
+    assert art["per_request"] == {"parameters": ["tau", "phi", "patience"], "full": True}

@@ -1,4 +1,5 @@
-"""The real SGLang engine on CPU with SmolLM2: vanilla SGLang and ``--policy full`` side by side."""
+"""The real SGLang engine on CPU with SmolLM2: vanilla SGLang and ``--policy full`` side by side,
+the latter behind ``--api-key``."""
 
 import sys
 
@@ -17,6 +18,7 @@ PROMPTS = [
     "Water boils at a temperature of",
 ]
 COMMON = ["--max-total-tokens", "16384", "--log-level", "info"]
+API_KEY = "sk-test-key"
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,8 @@ def servers(model_path, strict_env, tmp_path_factory):
         strict_env, logs / "vanilla.log", vanilla_port,
     )
     full = ServerProcess(
-        [sys.executable, "-m", "sglang_ext.launch", "--policy", "full", "--port", str(full_port), *COMMON],
+        [sys.executable, "-m", "sglang_ext.launch", "--policy", "full", "--port", str(full_port),
+         "--api-key", API_KEY, *COMMON],
         strict_env, logs / "full.log", full_port,
     )
     try:
@@ -73,9 +76,22 @@ def test_chat_completion_knows_the_capital_of_france(servers):
         "temperature": 0,
         "max_tokens": 32,
     }
-    response = requests.post(f"{servers['full'].url}/v1/chat/completions", json=body, timeout=300)
+    full = servers["full"]
+    response = requests.post(f"{full.url}/v1/chat/completions", json=body, headers=full.headers, timeout=300)
     response.raise_for_status()
     assert "Paris" in response.json()["choices"][0]["message"]["content"]
+
+
+def test_the_api_key_guards_the_extensions_routes_as_sglangs(servers):
+    full = servers["full"]
+    for path in ("/policy", "/v1/models"):  # ours, SGLang's
+        assert requests.get(f"{full.url}{path}", timeout=30).status_code == 401
+        wrong = {"Authorization": "Bearer not-the-key"}
+        assert requests.get(f"{full.url}{path}", headers=wrong, timeout=30).status_code == 401
+        assert requests.get(f"{full.url}{path}", headers=full.headers, timeout=30).status_code == 200
+    refused = requests.post(f"{full.url}/generate", json={"text": "hi"}, timeout=30)
+    assert refused.status_code == 401
+    assert requests.get(f"{full.url}/health", timeout=30).status_code == 200  # open, as SGLang's
 
 
 def test_no_kv_leak_after_the_requests(servers):

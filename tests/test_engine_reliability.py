@@ -158,6 +158,28 @@ def test_openai_request_chooses_its_policy(healthy_after):
     assert len(ROUND.findall(healthy_after.log())) == before  # one request at a time here
 
 
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_an_openai_stream_ends_with_its_report(healthy_after, route):
+    body = {"model": "default", "max_tokens": 80, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    if route == "/v1/completions":
+        body["prompt"] = STORY
+    else:
+        body["messages"] = [{"role": "user", "content": STORY}]
+    with requests.post(f"{healthy_after.url}{route}", json=body, stream=True, timeout=600) as response:
+        assert response.status_code == 200, response.text[:300]
+        lines = [line for line in response.iter_lines() if line.startswith(b"data:")]
+    assert lines[-1] == b"data: [DONE]"
+    events = [json.loads(line[5:]) for line in lines[:-1]]
+    usage = next(e["usage"] for e in events if e.get("usage"))
+    last = events[-1]
+    assert last["choices"] == [] and last["object"].endswith("chunk" if "chat" in route else "completion")
+    reported = last["sglext"]["kv_policy"]
+    assert reported["name"] == "lethe" and reported["evicted_tokens"] > 0  # rounds from 64 tokens
+    held = usage["prompt_tokens"] + usage["completion_tokens"] - 1
+    assert reported["retained_kv_tokens"] + reported["evicted_tokens"] == held
+
+
 def test_client_disconnect_mid_stream_frees_the_request(healthy_after):
     body = native(max_new_tokens=400, ignore_eos=True)
     body["stream"] = True
