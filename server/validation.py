@@ -10,6 +10,11 @@
   (sglang_ext.request_policy), the message naming the field.
 - ``/v1/detokenize`` with a token id outside the vocabulary: 400 (the tokenizer's overflow was a
   500), through an AROUND hook on its handler.
+- A request whose fields ``GenerateReqInput.normalize_batch_and_arguments`` cannot make sense of
+  (schemathesis found ``"input_embeds": []`` and a batch's per-item lists shorter than the batch,
+  IndexErrors and 500s): 400 with the error, through an AROUND hook that also splits a batch into
+  its items there (SGLang does it next, and caches them), turning lookup and type errors into the
+  ValueError SGLang answers with 400.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from sglang_ext.policies import PolicyConfigError
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
 _VALIDATE = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
+_NORMALIZE = "sglang.srt.managers.io_struct.GenerateReqInput.normalize_batch_and_arguments"
 _DETOKENIZE = (
     "sglang.srt.entrypoints.openai.serving_tokenize.OpenAIServingDetokenize._handle_non_streaming_request"
 )
@@ -91,6 +97,21 @@ def check_request(tokenizer_manager, obj, input_ids, *args, **kwargs):
     return None
 
 
+def normalize_or_refuse(normalize, obj, *args, **kwargs):
+    try:
+        result = normalize(obj, *args, **kwargs)
+        if not getattr(obj, "is_single", True):
+            for i in range(len(obj.rid)):
+                obj[i]  # noqa: B018 (the item, built and cached as SGLang's next step does)
+        return result
+    except (ValueError, IndexError, KeyError, TypeError, AttributeError) as err:
+        if not hasattr(obj, "is_single"):  # SGLang's abort task after the 400 reads it
+            obj.is_single = not isinstance(obj.rid, list)
+        if isinstance(err, ValueError):
+            raise
+        raise ValueError(f"malformed request: {err}") from None
+
+
 async def check_detokenize(handle, serving, adapted_request, request, *args, **kwargs):
     vocab = serving.tokenizer_manager.model_config.vocab_size
     tokens = request.tokens if isinstance(request.tokens, list) else []
@@ -106,4 +127,5 @@ def install() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(_VALIDATE, check_request, HookType.BEFORE)
+    HookRegistry.register(_NORMALIZE, normalize_or_refuse, HookType.AROUND)
     HookRegistry.register(_DETOKENIZE, check_detokenize, HookType.AROUND)
