@@ -42,7 +42,7 @@ class DeltaPolicy(SelectionPolicy):
     def selection(self, ctx: DecodeContext) -> Selection:
         attend_and_score = _selection_attention(ctx.device)
 
-        def choose(token_scores, page_scores, seq_lens, row_budget):
+        def choose(token_scores, page_scores, seq_lens, row_budget=None):
             if page_scores is None:
                 page_scores = page_sums(token_scores)
             return select_pages(

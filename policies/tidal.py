@@ -51,7 +51,7 @@ class TidalPolicy(SelectionPolicy):
     def selection(self, ctx: DecodeContext) -> Selection:
         attend_and_score = _selection_attention(ctx.device)
 
-        def choose(token_scores, page_scores, seq_lens, row_budget):
+        def choose(token_scores, page_scores, seq_lens, row_budget=None):
             return select_tokens(
                 token_scores, seq_lens, self.budget_tokens, self.recent_tokens,
                 by_importance=ctx.art is not None, row_budget=row_budget,
