@@ -77,13 +77,11 @@ def run_policy(policy: str, args, mix: dict[str, str]) -> dict:
         server.wait_ready()
         warm_up(server.url, max(int(w) for w in args.prompt_words.split(",")))
         seconds = driver.run_locust(args.locust, server.url, out, args.users, args.duration, mix)
-        server.wait_idle(timeout=300)
-        healthy = requests.get(f"{server.url}/health", timeout=60).status_code == 200
-        log = server.log()
+        after = driver.settle(server)
     result = {"policy": policy, "load_seconds": round(seconds, 1),
               **summarize(driver.read_stats(out / "locust_stats.csv"), seconds),
-              "healthy_after": healthy,
-              "leak_or_traceback_in_log": any(w in log for w in ("leak", "Leak", "Traceback"))}  # fmt: skip
+              "healthy_after": after["healthy_after"],
+              "leak_or_traceback_in_log": after["leak_or_traceback_in_log"]}  # fmt: skip
     print(json.dumps(result), flush=True)
     return result
 

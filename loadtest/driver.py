@@ -29,6 +29,20 @@ def run_locust(locust: str, host: str, out_dir: Path, users: int, duration: str,
     return time.monotonic() - started
 
 
+def settle(server, timeout: float = 300) -> dict:
+    """After a load: wait until ``server`` is idle (SGLang's idle memory check runs), then whether
+    it is healthy and its log is free of leaks and tracebacks; ``log`` is the log itself."""
+    import requests
+
+    server.wait_idle(timeout=timeout)
+    log = server.log()
+    return {
+        "healthy_after": requests.get(f"{server.url}/health", timeout=60).status_code == 200,
+        "leak_or_traceback_in_log": any(word in log for word in ("leak", "Leak", "Traceback")),
+        "log": log,
+    }
+
+
 def read_stats(stats_csv: Path) -> dict[str, dict[str, float]]:
     """Per locust entry ("TYPE NAME"): requests, failures, mean, median, p95, p99 (ms)."""
     with open(stats_csv) as f:

@@ -21,8 +21,6 @@ import shutil
 import sys
 from pathlib import Path
 
-import requests
-
 from loadtest import driver
 from sglang_ext.engine_process import EngineServer, engine_env, free_port
 
@@ -63,9 +61,7 @@ def run(args) -> dict:
         server.wait_ready()
         mix = {"LOADTEST_ABORT_FRACTION": str(args.abort_fraction), "LOADTEST_KV_POLICIES": json.dumps(KV_POLICIES)}
         loaded_s = driver.run_locust(args.locust, server.url, args.out_dir, args.users, args.duration, mix)
-        server.wait_idle(timeout=300)
-        healthy = requests.get(f"{server.url}/health", timeout=60).status_code == 200
-        log = server.log()
+        after = driver.settle(server)
     totals = driver.read_stats(args.out_dir / "locust_stats.csv")
     requested = {k: v for k, v in totals.items() if driver.is_request(k)}
     summary = {
@@ -76,13 +72,13 @@ def run(args) -> dict:
         "requests": sum(v["requests"] for v in requested.values()),
         "failed": sum(v["failures"] for v in requested.values()),
         "aborted_on_purpose": sum(v["requests"] for k, v in totals.items() if "ABORTED" in k),
-        "eviction_rounds": len(ROUND.findall(log)),
-        "healthy_after": healthy,
-        "leak_or_traceback_in_log": any(word in log for word in ("leak", "Leak", "Traceback")),
+        "eviction_rounds": len(ROUND.findall(after["log"])),
+        "healthy_after": after["healthy_after"],
+        "leak_or_traceback_in_log": after["leak_or_traceback_in_log"],
         "entries": totals,
     }
     summary["passed"] = (
-        summary["failed"] == 0 and healthy and not summary["leak_or_traceback_in_log"]
+        summary["failed"] == 0 and summary["healthy_after"] and not summary["leak_or_traceback_in_log"]
         and summary["requests"] > 0 and summary["eviction_rounds"] > 0
     )  # fmt: skip
     (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")

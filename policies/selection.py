@@ -145,7 +145,11 @@ class SelectionPolicy(KVPolicy):
         return roles
 
     def attended_tokens(self, seq_len: int, num_layers: int) -> float:
-        sparse = self.layer_roles(num_layers).count(LayerRole.SPARSE)
+        # per request and decode step (metrics, report): counted, not layer_roles rebuilt; the
+        # lists are disjoint without repeats (validate) and within the model (decode_fns)
+        if self.full_layers is None or self.selecting_layers() is None:
+            raise ValueError("attended_tokens needs layer lists: call for_model first")
+        sparse = num_layers - len(self.full_layers) - len(self.selecting_layers())
         budget = getattr(self, self.budget_field) * self.budget_unit_tokens
         return (seq_len * (num_layers - sparse) + min(seq_len, budget) * sparse) / num_layers
 

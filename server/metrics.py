@@ -16,6 +16,7 @@ import time
 import torch
 
 from sglang_ext import eviction
+from sglang_ext.policies.art import Art, ArtOver
 from sglang_ext.server import report
 
 PREFIX = "sglang_ext:"
@@ -133,9 +134,9 @@ def install() -> None:
         ):
             return forward_batch
         if _metrics is None:
-            backend = model_runner.attn_backend
-            reads_with_art = policy.name == "art" or policy.name.endswith("+art")
-            _metrics = PolicyMetrics(policy.name, backend.art_tile_counts if reads_with_art else None)
+            reads_with_art = isinstance(policy, (Art, ArtOver))
+            counts = model_runner.attn_backend.art_tile_counts if reads_with_art else None
+            _metrics = PolicyMetrics(policy.name, counts)
         _metrics.observe_decode(
             policy, batch.reqs, forward_batch.seq_lens_cpu.tolist(),
             model_runner.model_config.num_hidden_layers,

@@ -34,7 +34,7 @@ class PolicyDispatchMixin:
         model_config = model_runner.model_config
         device = torch.device(model_runner.device)
         req_to_token = self.req_to_token_pool.req_to_token
-        # every request pool row starts at the server's values; request_values.install fills a
+        # every request pool row starts at the server's values; request_policy.install fills a
         # request's own at its prefill
         defaults = policy.request_values(policy)
         self.request_values = (

@@ -197,3 +197,13 @@ def test_tensor_parallel_ranks_select_what_one_rank_with_every_head_selects(poli
         )
         rank.decode(fns[2], 2)
         assert torch.equal(fns[2].__self__.selected[:3], expected)
+
+
+def test_attended_tokens_average_full_and_sparse_layers():
+    policy = build_policy("delta", {"full_layers": [0, 1], "delta_layers": [2, 14, 22], "budget_pages": 4, "recent_pages": 1})
+    sparse = policy.layer_roles(30).count(LayerRole.SPARSE)
+    assert sparse == 25
+    assert policy.attended_tokens(1000, 30) == (1000 * 5 + 64 * sparse) / 30
+    assert policy.attended_tokens(50, 30) == 50  # a budget over the context reads it all
+    with pytest.raises(ValueError):
+        build_policy("delta", {}).attended_tokens(1000, 30)  # layer lists not resolved yet
