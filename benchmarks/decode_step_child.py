@@ -60,14 +60,15 @@ def main() -> None:
 def _load_policy_plugin(name: str, config: str | None) -> None:
     from sglang.srt.plugins import load_plugins
 
-    from sglang_ext import plugin
+    from sglang_ext import engine
     from sglang_ext.config import export_policy, policy_from_flags
 
-    export_policy(policy_from_flags(name, config))
+    policy = policy_from_flags(name, config)
+    export_policy(policy)
     load_plugins()
     # load_plugins() finds sglang_ext only through an installed entry point; one_batch runs the
-    # model in this process, so registering directly also serves a PYTHONPATH-only checkout.
-    plugin.register()
+    # model in this process, so installing directly also serves a PYTHONPATH-only checkout.
+    engine.install(policy, apply=True)
 
 
 def _patch_one_batch(one_batch, slice_tokens: int, skip_prefill_compute: bool) -> dict:
@@ -75,7 +76,7 @@ def _patch_one_batch(one_batch, slice_tokens: int, skip_prefill_compute: bool) -
     the engine's KV capacity and attention backend once the model is loaded."""
     import torch
 
-    from sglang_ext.backend import PolicyDispatchMixin
+    from sglang_ext.engine.backends import PolicyDispatchMixin
 
     engine: dict = {}
     load_model = one_batch.load_model

@@ -37,7 +37,7 @@ from benchmarks import harness, plot
 from benchmarks.harness import EngineServer, Row, RunInfo
 
 BENCH = "e2e"
-# Logged by sglang_ext.backend when an engine process builds a policy backend.
+# Logged by sglang_ext.engine.backends when an engine process builds a policy backend.
 POLICY_ACTIVE_LOG = "decoding with policy"
 RETRACTED_LOG = re.compile(r"Retract requests\. #retracted_reqs: (\d+)")
 

@@ -46,6 +46,9 @@ class Art(KVPolicy):
     def decode_fns(self, ctx: DecodeContext) -> list[DecodeFn]:
         return [self.full_decode(ctx, per_request=True)] * ctx.num_layers
 
+    def reads_tiles(self) -> bool:
+        return True
+
     def request_values(self, chosen: Art | None) -> tuple[float, ...]:
         if chosen is None:
             return (self.tau, self.phi, 0)
@@ -116,6 +119,9 @@ class ArtOver(KVPolicy):
 
     def server_defaults(self) -> dict[str, str | None]:
         return self.base.server_defaults()
+
+    def reads_tiles(self) -> bool:
+        return True
 
     def cache_correction_interval(self) -> int:
         return self.base.cache_correction_interval()

@@ -46,6 +46,10 @@ class DecodeContext:
     request_values: Any = None
     # int64 [2] on the device: [tiles read, tiles in the traversal] of ART's reads (metrics)
     art_tile_counts: Any = None
+    hole_slot: int = 0  # the slot an evicted position's req_to_token entry points at
+    # Run once per decode step before its layers (PolicyRuntime.prepare_decode), each
+    # f(forward_batch): decode functions add theirs when built. Recorded into CUDA graphs.
+    decode_step_setups: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,11 +93,21 @@ class KVPolicy:
         """One decode function per layer, built once from the backend's context."""
         return [ctx.base_decode] * ctx.num_layers
 
-    def runtime(self, ctx: DecodeContext) -> Any | None:
-        """A policy that keeps per-request state across decode steps (lethe) returns the object
-        holding it, built once at start-up; its ``decode_fns()`` replace this policy's. The
-        engine hooks of ``sglang_ext.eviction`` find it on the backend. None: stateless."""
-        return None
+    def runtime(self, ctx: DecodeContext):
+        """This policy's life in one attention backend (policies.runtime), built once at start-up
+        from the policy ``for_model`` gave."""
+        from sglang_ext.policies.runtime import PolicyRuntime
+
+        return PolicyRuntime(self, ctx)
+
+    def evicts(self) -> bool:
+        """Whether it frees KV slots during decoding: the engine then drops holes on free, keeps
+        a request's prompt out of the radix cache and admits requests at ``admission_tokens``."""
+        return False
+
+    def reads_tiles(self) -> bool:
+        """Whether its decode counts KV tiles read (ART) into ``ctx.art_tile_counts``."""
+        return False
 
     def server_defaults(self) -> dict[str, str | None]:
         """SGLang flags the launcher adds where the user gave none (None: a flag without value)."""

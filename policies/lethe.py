@@ -91,6 +91,9 @@ class Lethe(KVPolicy):
         if not 0 < self.max_kv_ratio <= 1:
             self._error("max_kv_ratio", f"must be in (0, 1], got {self.max_kv_ratio}")
 
+    def evicts(self) -> bool:
+        return True
+
     def runtime(self, ctx: DecodeContext):
         from sglang_ext.eviction import LetheRuntime
 

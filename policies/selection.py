@@ -184,6 +184,10 @@ class SelectionDecoder:
             ctx.max_batch_size, selection.budget, dtype=torch.int32, device=ctx.device
         )
         self.num_selected = torch.zeros(ctx.max_batch_size, dtype=torch.int32, device=ctx.device)
+        self.row_budget = None  # each request's own budget, gathered once per step
+        if ctx.request_values is not None:
+            self.row_budget = torch.zeros(ctx.max_batch_size, device=ctx.device)
+            ctx.decode_step_setups.append(self._gather_row_budgets)
         self._first_trim_unlogged = True
         if ctx.max_across_ranks is not None:
             logger.info("sglang_ext: %s selection scores are combined across ranks", policy_name)
@@ -194,17 +198,21 @@ class SelectionDecoder:
         if self.ctx.max_across_ranks is not None:
             # Each rank scored its own heads; the max over all heads makes every rank select alike.
             token_scores, page_scores = self.ctx.max_across_ranks(token_scores), None
-        own = self.ctx.request_values
-        row_budget = None if own is None else own[forward_batch.req_pool_indices, 0]
+        batch = q.shape[0]
+        row_budget = None if self.row_budget is None else self.row_budget[:batch]
         selected, num_selected = self.rule.choose(
             token_scores, page_scores, forward_batch.seq_lens, row_budget
         )
-        batch = q.shape[0]
         self.selected[:batch].copy_(selected)
         self.num_selected[:batch].copy_(num_selected)
         if self._first_trim_unlogged and self._trims(forward_batch):
             self._log_selection(layer.layer_id, forward_batch.seq_lens, num_selected)
         return out.view(batch, -1)
+
+    def _gather_row_budgets(self, forward_batch) -> None:
+        rows = forward_batch.req_pool_indices
+        budgets = self.ctx.request_values[:, 0]
+        torch.index_select(budgets, 0, rows, out=self.row_budget[: rows.shape[0]])
 
     def sparse_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         from sglang_ext.kernels import sparse_decode as sd

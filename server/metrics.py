@@ -3,24 +3,23 @@
 set before its engine processes start), so metrics made in the scheduler process appear in the
 HTTP server's ``/metrics`` with SGLang's.
 
-Observed once per decode batch, from host data the scheduler already has (no device sync):
-through a HookRegistry AFTER hook on ``ForwardBatch.init_new``, which runs in the scheduler
-process for every batch it builds. ART's tile counts are accumulated by its kernel on the device
-and copied back without waiting (``DeviceCounts``), so they lag a step or so.
+Observed once per decode batch in the scheduler process, from host data it already has (no
+device sync), when the engine adapter plans the batch (``sglang_ext.engine.steps``): each
+request's ``PolicyRuntime.report`` and the runtime's stats. ART's tile counts are accumulated by
+its kernel on the device and copied back without waiting (``DeviceCounts``), so they lag a step
+or so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
-from sglang_ext import eviction
-from sglang_ext.policies.art import Art, ArtOver
-from sglang_ext.server import report
+from sglang_ext.policies.runtime import PolicyRuntime, RuntimeStats, StepRequest
 
 PREFIX = "sglang_ext:"
-_INIT_NEW = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 _TOKEN_BUCKETS = tuple(float(2**i) for i in range(4, 18))
 _SECOND_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
 
@@ -94,24 +93,24 @@ class PolicyMetrics:
         self.overhead = Histogram(f"{PREFIX}policy_overhead_seconds",
                                   "host time of the policy per decode batch (eviction rounds, bookkeeping)",
                                   list(labels), buckets=_SECOND_BUCKETS).labels(**labels)  # fmt: skip
-        self._seen = eviction.EvictionStats()
+        self._seen = RuntimeStats()
         self.art = ArtMetrics(labels, art_tile_counts) if art_tile_counts is not None else None
 
-    def observe_decode(self, policy, reqs, seq_lens: list[int], num_layers: int) -> None:
+    def observe_decode(self, runtime: PolicyRuntime, step: list[StepRequest]) -> None:
         started = time.perf_counter()
         logical = retained = 0
-        for req, seq_len in zip(reqs, seq_lens, strict=True):
-            _, held, _, attended = report.request_step(policy, req, seq_len, num_layers)
-            logical += seq_len
-            retained += held
-            self.attended.observe(attended)
+        for request in step:
+            report = runtime.report(request, extend=False)
+            logical += request.seq_len
+            retained += report.held
+            self.attended.observe(report.attended)
         self.logical.set(logical)
         self.retained.set(retained)
-        stats = eviction.STATS
+        stats = runtime.stats
         self.rounds.inc(stats.rounds - self._seen.rounds)
         self.evicted.inc(stats.freed_slots - self._seen.freed_slots)
         self.overhead.observe(stats.seconds - self._seen.seconds + time.perf_counter() - started)
-        self._seen = eviction.EvictionStats(stats.rounds, stats.freed_slots, stats.seconds)
+        self._seen = dataclasses.replace(stats)
         if self.art is not None:
             self.art.observe()
 
@@ -119,28 +118,9 @@ class PolicyMetrics:
 _metrics: PolicyMetrics | None = None
 
 
-def install() -> None:
-    """Register the hook (from the plugin, before SGLang applies hooks)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    def observe(forward_batch, cls, batch, model_runner, *args, **kwargs):
-        global _metrics
-        policy = getattr(model_runner.attn_backend, "kv_policy", None)
-        if (
-            policy is None
-            or not model_runner.server_args.enable_metrics
-            or not forward_batch.forward_mode.is_decode()
-            or forward_batch.seq_lens_cpu is None
-        ):
-            return forward_batch
-        if _metrics is None:
-            reads_with_art = isinstance(policy, (Art, ArtOver))
-            counts = model_runner.attn_backend.art_tile_counts if reads_with_art else None
-            _metrics = PolicyMetrics(policy.name, counts)
-        _metrics.observe_decode(
-            policy, batch.reqs, forward_batch.seq_lens_cpu.tolist(),
-            model_runner.model_config.num_hidden_layers,
-        )  # fmt: skip
-        return forward_batch
-
-    HookRegistry.register(_INIT_NEW, observe, HookType.AFTER)
+def observe_decode(runtime: PolicyRuntime, step: list[StepRequest]) -> None:
+    """A decode batch of this process's runtime (its metrics are made at the first)."""
+    global _metrics
+    if _metrics is None:
+        _metrics = PolicyMetrics(runtime.policy.name, runtime.tile_counts)
+    _metrics.observe_decode(runtime, step)

@@ -11,8 +11,8 @@ import argparse
 import os
 import sys
 
-from sglang_ext.backend import POLICY_BASES
 from sglang_ext.config import export_policy, policy_from_flags
+from sglang_ext.engine.backends import POLICY_BASES
 from sglang_ext.platform import cpu
 from sglang_ext.policies import KVPolicy, PolicyConfigError, policy_names
 from sglang_ext.server import validation
@@ -78,9 +78,11 @@ def sglang_argv(argv: list[str], policy: KVPolicy | None = None) -> list[str]:
         if not _has_flag(out, flag):
             out += [flag] if value is None else [flag, value]
     if not _has_flag(out, "--model-path", "--model"):
-        from sglang_ext.model import default_model_path
+        from sglang_ext.model import MODEL_NAME, default_model_path
 
         out += ["--model-path", str(default_model_path())]
+        if not _has_flag(out, "--served-model-name"):
+            out += ["--served-model-name", MODEL_NAME]  # not the cache folder's path
     if not _has_flag(out, "--host"):
         out += ["--host", DEFAULT_HOST]
     if cpu.is_cuda_host():
@@ -92,13 +94,27 @@ def sglang_argv(argv: list[str], policy: KVPolicy | None = None) -> list[str]:
     return out + cpu.as_argv({f: v for f, v in defaults.items() if not _has_flag(out, f)})
 
 
-def _check_backend(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+def _check_engine_flags(parser: argparse.ArgumentParser, argv: list[str], policy: KVPolicy) -> None:
+    """Flags under which a policy would silently not run (exit 2 naming the flag)."""
     backend = _flag_value(argv, "--attention-backend", "")
     decode = _flag_value(argv, "--decode-attention-backend", backend)
     if decode not in POLICY_BASES:
         parser.error(
             f"argument --attention-backend: sglang_ext policies decode through {decode!r}, "
             f"which they do not wrap (valid: {', '.join(POLICY_BASES)})"
+        )
+    prefill = _flag_value(argv, "--prefill-attention-backend", backend)
+    if prefill != decode:
+        # SGLang then runs a hybrid backend around both, whose decode half our hooks cannot see
+        parser.error(
+            f"argument --prefill-attention-backend: {prefill!r} differs from the decode backend "
+            f"{decode!r}; sglang_ext policies need one backend for both"
+        )
+    page_size = _flag_value(argv, "--page-size", "1")
+    if policy.evicts() and page_size != "1":
+        parser.error(
+            f"argument --page-size: {policy.name} frees single KV slots, so it needs --page-size 1, "
+            f"got {page_size}"
         )
 
 
@@ -109,19 +125,17 @@ def main(argv: list[str] | None = None) -> None:
 
     cpu.activate()
     argv_out = sglang_argv(rest, policy)
-    _check_backend(parser, argv_out)
+    _check_engine_flags(parser, argv_out, policy)
     export_policy(policy)
 
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
     from sglang.launch_server import run_server
-    from sglang.srt.entrypoints.http_server import app
 
-    from sglang_ext.server import routes
+    from sglang_ext.engine import http
 
-    routes.install(app, policy)
-    app.add_middleware(validation.BodyLimit, max_bytes=ours.max_request_bytes)
+    http.install_app(policy, ours.max_request_bytes)
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 

@@ -2,6 +2,7 @@ import pytest
 
 from sglang_ext import launch
 from sglang_ext.platform import cpu
+from sglang_ext.policies import build_policy
 
 
 @pytest.fixture
@@ -48,19 +49,37 @@ def test_embedded_model_is_the_default(cpu_host, monkeypatch, tmp_path):
     assert _value(launch.sglang_argv([]), "--model-path") == str(tmp_path)
 
 
-def test_decode_backend_override_is_checked(cpu_host):
-    parser = launch.build_parser()
-    launch._check_backend(parser, ["--attention-backend", "torch_native"])
+def _refused(argv, policy="full"):
     with pytest.raises(SystemExit) as exit_info:
-        launch._check_backend(
-            parser, ["--attention-backend", "torch_native", "--decode-attention-backend", "flex_attention"]
-        )
-    assert exit_info.value.code == 2
+        launch._check_engine_flags(launch.build_parser(), argv, build_policy(policy))
+    return exit_info.value.code
+
+
+def test_decode_backend_override_is_checked(cpu_host):
+    launch._check_engine_flags(launch.build_parser(), ["--attention-backend", "torch_native"], build_policy("full"))
+    assert _refused(["--attention-backend", "torch_native", "--decode-attention-backend", "flex_attention"]) == 2
+
+
+def test_flags_under_which_a_policy_would_not_run_exit_2_naming_the_flag(capsys):
+    # a hybrid prefill/decode pair: SGLang wraps both, and our decode half would go unseen
+    assert _refused(["--attention-backend", "triton", "--prefill-attention-backend", "fa3"]) == 2
+    assert "--prefill-attention-backend" in capsys.readouterr().err
+    # lethe leaves holes of single slots
+    assert _refused(["--attention-backend", "triton", "--page-size", "16"], "lethe") == 2
+    assert "--page-size" in capsys.readouterr().err
+    delta_argv = ["--attention-backend", "triton", "--page-size", "16"]
+    launch._check_engine_flags(launch.build_parser(), delta_argv, build_policy("delta"))
+
+
+def test_the_embedded_model_is_served_under_its_name(cpu_host, monkeypatch, tmp_path):
+    import sglang_ext.model as model
+
+    monkeypatch.setattr(model, "default_model_path", lambda: tmp_path)
+    assert _value(launch.sglang_argv([]), "--served-model-name") == model.MODEL_NAME
+    assert "--served-model-name" not in launch.sglang_argv(["--model-path", "other"])
 
 
 def test_lethe_adds_its_server_defaults_unless_given(cpu_host):
-    from sglang_ext.policies import build_policy
-
     lethe = build_policy("lethe")
     argv = launch.sglang_argv(["--model-path", "m"], lethe)
     assert _value(argv, "--max-running-requests") == "64"

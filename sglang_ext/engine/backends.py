@@ -1,10 +1,12 @@
-"""Attention backends that hand each layer's decode to the active KV policy.
+"""Attention backends that hand each layer's decode to the served policy's runtime.
 
 They subclass SGLang's own backends (triton on CUDA, torch_native on CPU) and are registered under
-the same names, because SGLang branches on the backend's name in many places (CUDA graphs, which
-index kernels run on CPU); a new name would silently change those decisions. Without an active
-policy the factories return SGLang's stock backend, so a plain ``sglang.launch_server`` with this
-package installed is vanilla SGLang.
+the same names (SGLang's ``register_attention_backend``), because SGLang branches on the backend's
+name in many places (CUDA graphs, which index kernels run on CPU); a new name would silently
+change those decisions. They are registered only when a policy is served.
+
+Per batch the backend runs SGLang's own metadata setup, then the runtime's ``prepare_decode``:
+eagerly, or inside the CUDA graph (``init_forward_metadata_in_graph``, recorded at capture).
 """
 
 from __future__ import annotations
@@ -15,11 +17,24 @@ from collections.abc import Callable
 
 import torch
 
-from sglang_ext.config import active_policy
+from sglang_ext.engine.targets import EngineAdapterError
 from sglang_ext.policies import DecodeContext, KVPolicy
 from sglang_ext.policies.calibration import model_fingerprint
+from sglang_ext.policies.runtime import PolicyRuntime
 
 logger = logging.getLogger(__name__)
+
+HOLE_SLOT = 0  # SGLang's padding slot, never allocated: marks an evicted position in req_to_token
+_RUNTIMES: list[PolicyRuntime] = []  # this process's, for the scheduler's admission
+
+
+def process_runtime() -> PolicyRuntime | None:
+    """The runtime of this process's attention backend (None before it is built)."""
+    return _RUNTIMES[0] if _RUNTIMES else None
+
+
+def runtime_of(model_runner) -> PolicyRuntime | None:
+    return getattr(model_runner.attn_backend, "policy_runtime", None)
 
 
 class PolicyDispatchMixin:
@@ -30,6 +45,12 @@ class PolicyDispatchMixin:
     """
 
     def __init__(self, model_runner, policy: KVPolicy):
+        window = getattr(model_runner, "sliding_window_size", None)
+        if window is not None and window > 0:
+            raise EngineAdapterError(
+                f"--model-path: {model_runner.model_config.model_path} uses sliding-window "
+                f"attention (window {window}); sglang_ext policies attend over the whole cache"
+            )
         super().__init__(model_runner)
         model_config = model_runner.model_config
         device = torch.device(model_runner.device)
@@ -54,13 +75,22 @@ class PolicyDispatchMixin:
             max_across_ranks=_max_across_attention_ranks(),
             request_values=self.request_values,
             art_tile_counts=self.art_tile_counts,
+            hole_slot=HOLE_SLOT,
         )
         self.kv_policy = policy.for_model(context)
         self.policy_runtime = self.kv_policy.runtime(context)
-        if self.policy_runtime is not None:
-            self._decode_by_layer = self.policy_runtime.decode_fns()
-        else:
-            self._decode_by_layer = self.kv_policy.decode_fns(context)
+        self._decode_by_layer = self.policy_runtime.decode_fns
+        _RUNTIMES.append(self.policy_runtime)
+
+    def init_forward_metadata(self, forward_batch):
+        super().init_forward_metadata(forward_batch)
+        if forward_batch.forward_mode.is_decode():
+            self.policy_runtime.prepare_decode(forward_batch)
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        super().init_forward_metadata_in_graph(forward_batch)
+        if forward_batch.forward_mode.is_decode():
+            self.policy_runtime.prepare_decode(forward_batch)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         decode = self._decode_by_layer[layer.layer_id]
@@ -68,8 +98,7 @@ class PolicyDispatchMixin:
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         out = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-        if self.policy_runtime is not None:
-            self.policy_runtime.after_extend(q, layer, forward_batch)
+        self.policy_runtime.after_extend(q, layer, forward_batch)
         return out
 
     def write_decode_kv(self, layer, forward_batch, k, v) -> None:
@@ -131,15 +160,16 @@ POLICY_BASES: dict[str, Callable[[], type]] = {
 }
 
 
-def policy_backend_factory(name: str, stock_factory: Callable) -> Callable:
-    def create(model_runner):
-        policy = active_policy()
-        if policy is None:
-            return stock_factory(model_runner)
-        backend = POLICY_BASES[name]()(model_runner, policy)
-        described = backend.kv_policy.describe()
-        logger.info("sglang_ext: %s decoding with policy %s", type(backend).__name__, described)
-        return backend
+def register_backends(policy: KVPolicy) -> None:
+    """Serve ``policy`` through our subclass of each backend in POLICY_BASES."""
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
 
-    create.sglang_ext_stock = stock_factory
-    return create
+    for name, backend_class in POLICY_BASES.items():
+
+        def create(model_runner, backend_class=backend_class):
+            backend = backend_class()(model_runner, policy)
+            described = backend.kv_policy.describe()
+            logger.info("sglang_ext: %s decoding with policy %s", type(backend).__name__, described)
+            return backend
+
+        register_attention_backend(name)(create)

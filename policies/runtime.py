@@ -1,0 +1,176 @@
+"""A served policy's life inside one attention backend: the interface the engine adapter drives.
+
+The adapter (``sglang_ext.engine``) calls, in this order:
+
+- ``new_request`` at every prefill of a request (new, next chunk, or retracted and re-run): its
+  ``RequestState``, which the adapter keeps for the request;
+- ``admission_tokens``: the KV a request is counted at by the scheduler;
+- ``plan_step`` once per batch, on the host, from data the scheduler already has (no device sync);
+- ``run_plan`` before the batch's forward (a prefill's rows, eviction rounds, cache correction:
+  may sync);
+- ``prepare_decode`` once per decode batch on the device, where CUDA graphs record it;
+- the per-layer ``decode_fns`` and, for a prefill, ``after_extend`` of each layer;
+- ``report`` of each request after the step (metrics and the per-request report);
+- ``relieve_memory`` when the next decode step does not fit, before the scheduler retracts.
+
+Nothing here imports SGLang: requests are seen through ``StepRequest``, the engine through
+``EngineOps``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from sglang_ext.policies.base import DecodeContext, DecodeFn, KVPolicy
+
+logger = logging.getLogger(__name__)
+
+FULL = "full"  # the name a request that opted out of the served policy decodes under
+
+
+@dataclasses.dataclass
+class RequestState:
+    """One request's state under the served policy, from its (latest) prefill on."""
+
+    policy: KVPolicy | None  # the policy it decodes under (its own parameters), None: full attention
+    evicted: int = 0  # KV slots freed under it so far
+    rounds: int = 0  # eviction rounds run, over the request's life
+    corrected_until: int = 0  # positions before it had their K/V re-filled (cache correction)
+    policy_state: Any = None  # what the runtime keeps of it beyond these (Lethe's threshold)
+
+    @property
+    def evicts(self) -> bool:
+        return self.policy_state is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRequest:
+    """One request of a batch as the scheduler sees it this step (host data)."""
+
+    state: RequestState
+    rid: str
+    row: int  # request pool row (req_to_token)
+    seq_len: int  # tokens it holds, the one being decoded included
+    prompt_len: int
+    output_ids: Sequence[int]  # generated so far, as known on the host
+    protected_len: int  # its first positions owned by the radix cache: never freed under it
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestReport:
+    policy: str  # the name it decoded under
+    held: int  # KV tokens it holds
+    evicted: int  # freed so far
+    attended: float  # tokens attended this step, mean over layers
+
+
+@dataclasses.dataclass
+class RuntimeStats:
+    rounds: int = 0  # eviction rounds
+    freed_slots: int = 0
+    seconds: float = 0.0  # host time spent in eviction rounds
+    corrections: int = 0  # cache correction extends run
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What ``plan_step`` decided for one batch, for ``run_plan`` and ``prepare_step``."""
+
+    decode: bool
+    requests: list[StepRequest]
+    rounds: list[StepRequest] = dataclasses.field(default_factory=list)  # due for eviction
+    correction: Any = None  # sglang_ext.cache_correction.CorrectionPlan
+    request_values: torch.Tensor | None = None  # prefill: rows of ctx.request_values, on the host
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOps:
+    """What a runtime may ask of the engine while running a plan."""
+
+    free_slots: Callable[[torch.Tensor], None]  # give KV slots back to the pool
+    available_slots: Callable[[], int]
+    rerun_extend: Callable[[Any], None]  # forward a CorrectionPlan as an extend (its K/V only)
+
+
+class PolicyRuntime:
+    """The default lifecycle: stateless decode functions, optional cache correction, per-request
+    values written at prefill. Lethe's runtime (``sglang_ext.eviction``) adds eviction."""
+
+    def __init__(self, policy: KVPolicy, ctx: DecodeContext):
+        self.policy, self.ctx = policy, ctx
+        self.decode_fns: list[DecodeFn] = policy.decode_fns(ctx)
+        self.stats = RuntimeStats()
+        self.correction_interval = policy.cache_correction_interval()
+        self.tile_counts = ctx.art_tile_counts if policy.reads_tiles() else None
+
+    # requests ---------------------------------------------------------------------------------
+    def new_request(self, own: KVPolicy | None, previous: RequestState | None) -> RequestState:
+        if previous is None:
+            return RequestState(policy=own)
+        # a re-run prefill (retraction) recomputes every K/V with full attention
+        return RequestState(own, rounds=previous.rounds, corrected_until=previous.corrected_until)
+
+    def admission_tokens(self, state: RequestState | None, total_tokens: int) -> int:
+        """KV tokens the scheduler counts a request of ``total_tokens`` (prompt + max new) at."""
+        return total_tokens
+
+    # per step ---------------------------------------------------------------------------------
+    def plan_step(self, requests: list[StepRequest], decode: bool) -> StepPlan:
+        if not decode:
+            return StepPlan(False, requests, request_values=self._request_values(requests))
+        correction = None
+        if self.correction_interval > 0:
+            from sglang_ext.cache_correction import plan_correction
+
+            correction = plan_correction(requests, self.correction_interval)
+        return StepPlan(True, requests, correction=correction)
+
+    def run_plan(self, plan: StepPlan, forward_batch, engine: EngineOps) -> None:
+        """Before the batch's forward, outside any CUDA graph."""
+        if plan.request_values is not None:  # a prefill: its requests' own decode values
+            table = self.ctx.request_values
+            table[forward_batch.req_pool_indices] = plan.request_values.to(table.device)
+        if plan.correction is not None:
+            engine.rerun_extend(plan.correction)
+            if self.stats.corrections == 0:
+                logger.info(
+                    "sglang_ext: first cache correction re-filled %d tokens of %d requests from "
+                    "positions %s", plan.correction.num_tokens, len(plan.correction.starts),
+                    plan.correction.starts,
+                )  # fmt: skip
+            self.stats.corrections += 1
+
+    def prepare_decode(self, forward_batch) -> None:
+        """Device work once per decode batch, before its layers: static in shape and free of
+        host syncs, as CUDA graphs record it (on the graph's padded batch)."""
+        for setup in self.ctx.decode_step_setups:
+            setup(forward_batch)
+
+    def after_extend(self, q, layer, forward_batch) -> None:
+        """After a prefill layer's attention (its K/V stored)."""
+
+    def relieve_memory(self, requests: list[StepRequest], engine: EngineOps) -> int:
+        """Free KV now because the next decode step does not fit; slots freed."""
+        return 0
+
+    # reports ----------------------------------------------------------------------------------
+    def report(self, request: StepRequest, extend: bool) -> RequestReport:
+        state = request.state
+        held = request.seq_len - state.evicted
+        if extend or state.policy is None:
+            attended = float(request.seq_len)
+        else:
+            attended = state.policy.attended_tokens(request.seq_len, self.ctx.num_layers)
+        name = FULL if state.policy is None else self.policy.name
+        return RequestReport(name, held, state.evicted, attended)
+
+    def _request_values(self, requests: list[StepRequest]) -> torch.Tensor | None:
+        if self.ctx.request_values is None or not requests:
+            return None
+        values = [self.policy.request_values(r.state.policy) for r in requests]
+        return torch.tensor(values, dtype=self.ctx.request_values.dtype)

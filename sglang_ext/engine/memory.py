@@ -1,0 +1,117 @@
+"""SGLang's memory accounting under a policy that evicts (``KVPolicy.evicts``: Lethe).
+
+- **Holes**: a slot freed by a round leaves ``HOLE_SLOT`` in the request's ``req_to_token`` row;
+  before ``TokenToKVPoolAllocator.free`` they are dropped, so SGLang's own release of a finished,
+  aborted or retracted request frees exactly the slots it still holds.
+- **Conservation check**: after SGLang's invariant checker counts the slots running requests
+  hold (their allocated length past the radix prefix), the slots they had evicted are taken off,
+  so its strict check stays exact: available + evictable + protected + held == total.
+- **Radix cache**: SGLang inserts a request's prompt into the tree right after its prefill
+  (``maybe_cache_unfinished_req``), which would make it radix-owned and never freed; for a request
+  that evicts, that insertion is skipped (chunks of a prompt longer than
+  ``--chunked-prefill-size`` are still inserted between chunks, as chunked prefill needs). A
+  request that lost slots is not inserted when it finishes (``requests.mark_evicted``).
+- **Admission**: SGLang admits a request only if its prompt plus its whole ``max_new_tokens``
+  fits beside what the running requests may still grow by; under eviction a request never holds
+  that much. SGLang's ``PrefillAdder`` (class REPLACE: 0.5.17 has no factory for it) counts each
+  request at the runtime's ``admission_tokens`` instead, and each running request at what it may
+  still grow by up to that. SGLang's own reservation logic is kept: only the counts change.
+- **Decode memory**: when the next decode step does not fit, the runtime frees what it can
+  (``relieve_memory``: Lethe's rounds now) before SGLang retracts anything.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang_ext.engine import requests, targets
+from sglang_ext.engine.backends import HOLE_SLOT, process_runtime
+from sglang_ext.policies.runtime import EngineOps
+
+logger = logging.getLogger(__name__)
+
+
+def drop_holes(allocator, free_index, *args, **kwargs):
+    if free_index.numel() and bool((free_index == HOLE_SLOT).any()):
+        free_index = free_index[free_index != HOLE_SLOT]
+    return (allocator, free_index, *args), kwargs
+
+
+def count_evicted(uncached, checker, *args, **kwargs):
+    full, swa = uncached
+    pair = (checker.get_last_batch(), checker.get_running_batch())
+    batches = {id(b): b for b in pair if b is not None}
+    evicted = sum(requests.held_by_running(batch.reqs) for batch in batches.values())
+    return full - evicted, swa
+
+
+def keep_prompt_own(cache_unfinished, req, tree_cache, **kwargs):
+    state = requests.state_of(req)
+    if kwargs.get("chunked") or state is None or not state.evicts:
+        return cache_unfinished(req, tree_cache, **kwargs)
+    return None
+
+
+def budget_prefill_adder() -> type:
+    """SGLang's PrefillAdder, counting requests at the runtime's ``admission_tokens``."""
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, PrefillAdder
+
+    def admission_tokens(req, total: int) -> int:
+        runtime = process_runtime()
+        if runtime is None:
+            return total
+        state = requests.state_of(req)
+        if state is None:  # not prefilled yet: it will decode under what it asked for
+            state = runtime.new_request(requests.own_policy(runtime.policy, req), None)
+        return runtime.admission_tokens(state, total)
+
+    class BudgetPrefillAdder(PrefillAdder):
+        def _get_running_request_total_token_offset(self, req) -> int:
+            total = len(req.origin_input_ids) + req.sampling_params.max_new_tokens
+            state = requests.state_of(req)
+            held = len(req.origin_input_ids) + len(req.output_ids)
+            held -= state.evicted if state is not None else 0
+            growth = max(0, admission_tokens(req, total) - held)
+            return min(growth, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
+
+        def add_one_req(self, req, *args, **kwargs):
+            # SGLang reads max_new_tokens here only to budget; it sees the expected growth
+            # beyond what prefill fills, and the request's own value is back before returning.
+            params = req.sampling_params
+            requested = params.max_new_tokens
+            filled = len(req.origin_input_ids) + len(req.output_ids)
+            expected = admission_tokens(req, len(req.origin_input_ids) + requested)
+            params.max_new_tokens = len(req.output_ids) + max(0, expected - filled)
+            try:
+                return super().add_one_req(req, *args, **kwargs)
+            finally:
+                params.max_new_tokens = requested
+
+    return BudgetPrefillAdder
+
+
+def relieve_before_retracting(check, batch, *args, **kwargs):
+    if check(batch, *args, **kwargs):
+        return True
+    runtime = process_runtime()
+    if runtime is None:
+        return False
+    allocator = batch.token_to_kv_pool_allocator
+    ops = EngineOps(allocator.free, allocator.available_size, rerun_extend=None)
+    step = requests.step_requests(runtime, batch.reqs, batch.seq_lens_cpu.tolist())
+    freed = runtime.relieve_memory(step, ops)
+    for req in batch.reqs:
+        requests.mark_evicted(req)
+    if freed:
+        logger.info("sglang_ext: decode memory short: pruning freed %d slots", freed)
+    return freed > 0 and check(batch, *args, **kwargs)
+
+
+def register(hooks) -> None:
+    from sglang.srt.plugins.hook_registry import HookType
+
+    hooks.register(targets.FREE, drop_holes, HookType.BEFORE)
+    hooks.register(targets.UNCACHED_SIZES, count_evicted, HookType.AFTER)
+    hooks.register(targets.CACHE_UNFINISHED, keep_prompt_own, HookType.AROUND)
+    hooks.register(targets.PREFILL_ADDER, budget_prefill_adder(), HookType.REPLACE)
+    hooks.register(targets.CHECK_DECODE_MEM, relieve_before_retracting, HookType.AROUND)

@@ -1,0 +1,81 @@
+"""The served policy's step, driven from two points of SGLang's scheduler process:
+
+- after ``ForwardBatch.init_new`` (it still sees the scheduler's requests): a prefill gives each
+  request its state (``requests.begin_prefill``); every batch gets the runtime's host-side plan
+  (``plan_step``, from ``seq_lens_cpu``: no device sync), and a decode batch is observed by the
+  metrics;
+- around ``ModelRunner.forward``: the plan runs first (``run_plan``: a prefill's rows, eviction
+  rounds, cache correction), then the forward, then each request's report goes into the step's
+  ``customized_info`` (SGLang's per-token channel to the response's meta_info).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sglang_ext.engine import requests, targets
+from sglang_ext.engine.backends import runtime_of
+from sglang_ext.policies.runtime import EngineOps, StepPlan
+from sglang_ext.server import metrics, report
+
+_STEP = "sglang_ext_step"  # on a ForwardBatch: its _Step
+
+
+@dataclasses.dataclass
+class _Step:
+    plan: StepPlan
+    reqs: list  # the scheduler's Req objects, in batch order
+
+
+def plan_batch(forward_batch, cls, batch, model_runner, *args, **kwargs):
+    runtime = runtime_of(model_runner)
+    reqs = getattr(batch, "reqs", None)
+    mode = forward_batch.forward_mode
+    decode, prefill = mode.is_decode(), mode.is_extend() and not mode.is_mixed()
+    if runtime is None or not reqs or forward_batch.seq_lens_cpu is None or not (decode or prefill):
+        return forward_batch
+    if prefill:
+        for req in reqs:
+            requests.begin_prefill(runtime, req)
+    step = requests.step_requests(runtime, reqs, forward_batch.seq_lens_cpu.tolist())
+    setattr(forward_batch, _STEP, _Step(runtime.plan_step(step, decode), reqs))
+    if decode and model_runner.server_args.enable_metrics:
+        metrics.observe_decode(runtime, step)
+    return forward_batch
+
+
+def run_step(forward, model_runner, forward_batch, *args, **kwargs):
+    step = getattr(forward_batch, _STEP, None)
+    if step is None:
+        return forward(model_runner, forward_batch, *args, **kwargs)
+    setattr(forward_batch, _STEP, None)  # a correction batch copies this one: it must not rerun it
+    runtime = runtime_of(model_runner)
+    allocator = model_runner.token_to_kv_pool_allocator
+    ops = EngineOps(
+        free_slots=allocator.free,
+        available_slots=allocator.available_size,
+        rerun_extend=lambda plan: _rerun_extend(model_runner, forward_batch, plan),
+    )
+    runtime.run_plan(step.plan, forward_batch, ops)
+    for req in step.reqs:
+        requests.mark_evicted(req)
+    output = forward(model_runner, forward_batch, *args, **kwargs)
+    logits = getattr(output, "logits_output", None)
+    if hasattr(logits, "customized_info"):
+        reports = [runtime.report(r, extend=not step.plan.decode) for r in step.plan.requests]
+        logits.customized_info = {**(logits.customized_info or {}), **report.step_entries(reports)}
+    return output
+
+
+def _rerun_extend(model_runner, decode_batch, plan) -> None:
+    from sglang_ext.engine.batches import correction_batch
+
+    batch = correction_batch(decode_batch, plan, model_runner.req_to_token_pool.req_to_token)
+    model_runner.forward(batch)  # the extend writes K/V at out_cache_loc: the tokens' own slots
+
+
+def register(hooks) -> None:
+    from sglang.srt.plugins.hook_registry import HookType
+
+    hooks.register(targets.INIT_NEW, plan_batch, HookType.AFTER)
+    hooks.register(targets.FORWARD, run_step, HookType.AROUND)

@@ -1,0 +1,142 @@
+"""Lethe's runtime on small CPU tensors: appending at each decode step, a pruning round's slot
+accounting, admission sizes and the plan (the engine runs are in test_engine_lethe)."""
+
+from types import SimpleNamespace
+
+import torch
+from policy_cases import Cache
+from sglang_ext.eviction import LetheRuntime
+from sglang_ext.policies import build_policy
+from sglang_ext.policies.runtime import EngineOps, StepRequest
+
+HOLE = 0
+
+
+class Pool:
+    """The allocator's side of a round: what was freed."""
+
+    def __init__(self):
+        self.freed: list[int] = []
+
+    def ops(self) -> EngineOps:
+        return EngineOps(
+            free_slots=lambda slots: self.freed.extend(slots.tolist()),
+            available_slots=lambda: len(self.freed),
+            rerun_extend=None,
+        )
+
+
+def runtime_for(cache, **params):
+    policy = build_policy("lethe", {"max_kv_ratio": 0.5, "evict_threshold": 8, **params})
+    runtime = LetheRuntime(policy, cache.context())
+    batch = cache.batch
+    runtime.reset_rows(batch.req_pool_indices, batch.seq_lens - 1)  # prefilled, before the token
+    return runtime
+
+
+def step(cache, runtime, row_index, own="served"):
+    state = runtime.new_request(runtime.policy if own == "served" else own, None)
+    return StepRequest(
+        state=state, rid=f"r{row_index}", row=int(cache.batch.req_pool_indices[row_index]),
+        seq_len=int(cache.batch.seq_lens[row_index]), prompt_len=8, output_ids=[],
+        protected_len=0,
+    )  # fmt: skip
+
+
+def test_each_decode_step_appends_the_token_to_every_layers_list_once():
+    cache = Cache(num_layers=3, seq_lens=(30, 12))
+    runtime = runtime_for(cache)
+    rows, lens = cache.batch.req_pool_indices, cache.batch.seq_lens
+    runtime.prepare_decode(cache.batch)
+    for layer in range(3):
+        assert runtime.count[layer, rows].tolist() == lens.tolist()
+        for row, n in zip(rows.tolist(), lens.tolist(), strict=True):
+            assert runtime.positions[layer, row, n - 1] == n - 1
+            assert runtime.scores[layer, row, n - 1] == 0
+
+
+def test_cuda_graph_padding_appends_to_the_trash_row_only():
+    cache = Cache(num_layers=2, seq_lens=(30, 12))
+    runtime = runtime_for(cache)
+    before = runtime.count.clone()
+    padded = SimpleNamespace(
+        req_pool_indices=torch.tensor([1, 0, 0]), seq_lens=torch.tensor([30, 1, 1])
+    )  # a graph of batch 3 replaying one request; padding has seq_len 1
+    runtime.prepare_decode(padded)
+    assert runtime.state_rows[:3].tolist() == [1, runtime.trash_row, runtime.trash_row]
+    assert runtime.count[:, 1].tolist() == [30, 30]
+    assert torch.equal(runtime.count[:, 2:runtime.trash_row], before[:, 2:runtime.trash_row])
+    assert runtime.count[:, 0].tolist() == before[:, 0].tolist()
+
+
+def test_a_round_frees_exactly_what_no_layer_keeps_and_leaves_holes():
+    cache = Cache(num_layers=3, seq_lens=(200, 12))
+    runtime = runtime_for(cache)
+    request = step(cache, runtime, 0)
+    row, length = request.row, request.seq_len - 1
+    gen = torch.Generator().manual_seed(1)
+    runtime.scores[:, row, :length] = torch.rand(3, length, generator=gen) ** 8  # a few salient
+    slots_before = cache.req_to_token[row, :length].clone()
+    pool = Pool()
+
+    runtime.prune(request, length, pool.ops())
+
+    kept = torch.zeros(length, dtype=torch.bool)
+    for layer in range(3):
+        n = int(runtime.count[layer, row])
+        positions = runtime.positions[layer, row, :n]
+        assert torch.all(positions[1:] > positions[:-1])  # still ascending, no repeats
+        kept[positions.long()] = True
+    now = cache.req_to_token[row, :length]
+    assert torch.equal(now == HOLE, ~kept)  # a hole exactly where no layer keeps the position
+    assert sorted(pool.freed) == sorted(slots_before[~kept].tolist())
+    assert request.state.evicted == len(pool.freed) > 0
+    assert int(kept.sum()) <= runtime.policy.round_cap(length)  # max_kv_ratio's cap
+    assert kept[:4].all() and kept[-1]  # sink tokens and the most recent stay
+    assert runtime.stats.rounds == 1 and runtime.stats.freed_slots == len(pool.freed)
+    assert cache.req_to_token[2, :12].ne(HOLE).all()  # the other request is untouched
+
+
+def test_radix_owned_positions_are_never_freed():
+    cache = Cache(num_layers=2, seq_lens=(200, 12))
+    runtime = runtime_for(cache)
+    request = step(cache, runtime, 0)
+    protected = StepRequest(**{**request.__dict__, "protected_len": 64})
+    runtime.scores[:, protected.row, :199] = torch.linspace(1, 0, 199) ** 20
+    pool = Pool()
+    runtime.prune(protected, 199, pool.ops())
+    assert cache.req_to_token[protected.row, :64].ne(HOLE).all()
+    assert pool.freed and not set(pool.freed) & set(cache.req_to_token[protected.row, :64].tolist())
+
+
+def test_a_round_is_planned_once_retained_kv_passes_the_threshold():
+    cache = Cache(num_layers=2, seq_lens=(200, 9))
+    runtime = runtime_for(cache, evict_threshold=16)
+    long, short = step(cache, runtime, 0), step(cache, runtime, 1)
+    opted_out = StepRequest(**{**long.__dict__, "state": runtime.new_request(None, None)})
+    plan = runtime.plan_step([long, short, opted_out], decode=True)
+    assert plan.rounds == [long]
+    long.state.evicted = 190  # what the threshold counts is what it still holds
+    assert runtime.plan_step([long], decode=True).rounds == []
+
+
+def test_admission_counts_a_request_at_its_expected_retained_kv():
+    cache = Cache(num_layers=2)
+    runtime = runtime_for(cache, evict_threshold=256)
+    lethe = runtime.new_request(runtime.policy, None)
+    assert runtime.admission_tokens(lethe, 10_000) == runtime.policy.expected_kv(10_000) < 10_000
+    assert runtime.admission_tokens(lethe, 100) == 100  # under the threshold: all of it
+    opted_out = runtime.new_request(None, None)
+    assert not opted_out.evicts and runtime.admission_tokens(opted_out, 10_000) == 10_000
+
+
+def test_relieving_memory_prunes_requests_over_a_rounds_cap_now():
+    cache = Cache(num_layers=2, seq_lens=(200, 5))
+    runtime = runtime_for(cache, evict_threshold=10_000)  # no round would be due
+    runtime.prepare_decode(cache.batch)  # the last step's token is in the lists
+    big, small = step(cache, runtime, 0), step(cache, runtime, 1)
+    pool = Pool()
+    freed = runtime.relieve_memory([big, small], pool.ops())
+    assert freed == len(pool.freed) == big.state.evicted > 0
+    assert big.seq_len - big.state.evicted <= runtime.policy.round_cap(big.seq_len)
+    assert small.state.evicted == 0  # 5 tokens: a round keeps sink + 1 at least
