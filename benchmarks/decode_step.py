@@ -1,8 +1,11 @@
 """Decode-step latency and throughput against context length and batch size, per policy and for
 vanilla SGLang in the same run, from SGLang's offline one-batch benchmark (dummy weights).
 
-    python -m benchmarks.decode_step --shape qwen1.5b --policies vanilla,full \
+    python -m benchmarks.decode_step --shape qwen1.5b --policies vanilla@fa3,vanilla@flashinfer,vanilla@triton,delta \
         --batch 1,16,64 --context 4096,16384 --output-len 32
+
+``vanilla@BACKEND`` runs vanilla SGLang on that attention backend; ratios are against the fastest
+vanilla backend at each point (``baseline_backend``).
 
 Each policy runs in its own process (benchmarks.decode_step_child). A point whose KV does not fit
 in the engine's pool is recorded as skipped, with the reason.
@@ -35,6 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-slice-tokens", type=int, default=16384, help="tokens per prefill forward"
     )
     parser.add_argument(
+        "--max-running-requests", type=int, default=None,
+        help="SGLang's cap (also sizes the request pool, and with it Lethe's state)",
+    )
+    parser.add_argument(
+        "--cuda-graph-max-bs", type=int, default=None, help="largest batch captured (SGLang's)"
+    )
+    parser.add_argument(
         "--skip-prefill-compute",
         action="store_true",
         help="fill each point's KV slots without running prefill (see decode_step_child)",
@@ -47,21 +57,27 @@ def run_policy(args: argparse.Namespace, policy: str, log_path: Path) -> dict:
     one_batch_flags = [
         "--model-path", str(harness.shape_path(args.shape)),
         "--load-format", "dummy",
-        *harness.engine_flags(args.max_total_tokens, args.tp, args.context_length),
+        *harness.engine_flags(
+            args.max_total_tokens, args.tp, args.context_length, harness.split_policy(policy)[1]
+        ),
         "--batch-size", *map(str, args.batch),
         "--input-len", *map(str, args.context),
         "--output-len", str(args.output_len),
     ]  # fmt: skip
+    for flag, value in (("--max-running-requests", args.max_running_requests),
+                        ("--cuda-graph-max-bs", args.cuda_graph_max_bs)):  # fmt: skip
+        if value is not None:
+            one_batch_flags += [flag, str(value)]
     with tempfile.TemporaryDirectory() as tmp:
         result_json = Path(tmp) / "result.json"
         argv = [
             sys.executable, "-m", "benchmarks.decode_step_child",
-            "--policy", policy,
+            "--policy", harness.split_policy(policy)[0],
             "--result-json", str(result_json),
             "--prefill-slice-tokens", str(args.prefill_slice_tokens),
             *(["--skip-prefill-compute"] if args.skip_prefill_compute else []),
         ]  # fmt: skip
-        if policy != harness.VANILLA and args.policy_config:
+        if not harness.is_vanilla(policy) and args.policy_config:
             argv += ["--policy-config", args.policy_config]
         with open(log_path, "wb") as log:
             code = subprocess.call(
@@ -74,7 +90,8 @@ def run_policy(args: argparse.Namespace, policy: str, log_path: Path) -> dict:
             raise RuntimeError(
                 f"{policy}: exited with {code}; log {log_path}:\n{harness.log_tail(log_path)}"
             )
-        return json.loads(result_json.read_text())
+        backend = harness.split_policy(policy)[1] or harness.flag_value(one_batch_flags, "--attention-backend")
+        return {**json.loads(result_json.read_text()), "backend_flag": backend}
 
 
 def policy_rows(args: argparse.Namespace, info: RunInfo, policy: str, result: dict) -> list[Row]:
@@ -82,11 +99,13 @@ def policy_rows(args: argparse.Namespace, info: RunInfo, policy: str, result: di
         (r["batch_size"], r["input_len"]): r["median_decode_latency"] for r in result["runs"]
     }
     rows = []
+    kv_source = "synthetic" if args.skip_prefill_compute else "real"
     for batch in args.batch:
         for context in args.context:
             point = dict(
-                bench=BENCH, policy=policy, model_shape=args.shape, batch=batch, context=context
-            )
+                bench=BENCH, policy=policy, model_shape=args.shape, batch=batch, context=context,
+                attention_backend=result["backend_flag"], kv_source=kv_source,
+            )  # fmt: skip
             latency = measured.get((batch, context))
             if latency is None:
                 need = batch * (context + args.output_len)

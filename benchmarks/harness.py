@@ -44,6 +44,9 @@ class Row:
     sglang_version: str = ""
     date: str = ""
     skipped: str | None = None  # why there is no value
+    attention_backend: str = ""  # SGLang's --attention-backend of this row's engine
+    baseline_backend: str = ""  # the vanilla backend of baseline_value: the fastest measured
+    kv_source: str = ""  # real (prefill computed it) or synthetic (filled without prefill)
 
 
 @dataclasses.dataclass
@@ -172,8 +175,23 @@ def name_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def split_policy(name: str) -> tuple[str, str | None]:
+    """``vanilla@fa3`` -> ("vanilla", "fa3"): a policy run on a named attention backend."""
+    policy, _, backend = name.partition("@")
+    return policy, backend or None
+
+
+def flag_value(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1] if flag in argv else ""
+
+
+def is_vanilla(name: str) -> bool:
+    return split_policy(name)[0] == VANILLA
+
+
 def engine_flags(
-    max_total_tokens: int | None, tp: int = 1, context_length: int | None = None
+    max_total_tokens: int | None, tp: int = 1, context_length: int | None = None,
+    attention_backend: str | None = None,
 ) -> list[str]:
     """SGLang flags for this host, shared by vanilla and policy runs so both see the same engine.
 
@@ -181,7 +199,7 @@ def engine_flags(
     graphs stay on. On CPU the KV pool is capped as sglang_ext.launch caps it.
     """
     if cpu.is_cuda_host():
-        flags = ["--attention-backend", "triton", "--disable-prefill-cuda-graph"]
+        flags = ["--attention-backend", attention_backend or "triton", "--disable-prefill-cuda-graph"]
     else:
         flags = cpu.as_argv(cpu.server_flags())
         max_total_tokens = max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS
@@ -206,11 +224,21 @@ def require_plugin_entry_point() -> None:
 
 
 def add_baseline_ratios(rows: list[Row]) -> None:
-    """Fill baseline_value (vanilla's value at the same point of the same run) and ratio."""
+    """Fill baseline_value (vanilla's value at the same point of the same run: of its fastest
+    backend where vanilla ran on several, ``vanilla@BACKEND``), baseline_backend and ratio."""
     key = lambda r: (r.bench, r.model_shape, r.batch, r.context, r.metric)  # noqa: E731
-    baselines = {key(r): r.value for r in rows if r.policy == VANILLA and r.value is not None}
+    lower_is_better = lambda r: "latency" in r.metric  # noqa: E731 (else a rate)
+    best: dict = {}
+    for r in rows:
+        if not is_vanilla(r.policy) or r.value is None:
+            continue
+        held = best.get(key(r))
+        if held is None or (r.value < held.value) == lower_is_better(r):
+            best[key(r)] = r
     for row in rows:
-        row.baseline_value = baselines.get(key(row))
+        baseline = best.get(key(row))
+        row.baseline_value = baseline.value if baseline else None
+        row.baseline_backend = baseline.attention_backend if baseline else ""
         if row.value is not None and row.baseline_value:
             row.ratio = row.value / row.baseline_value
 
@@ -225,14 +253,15 @@ def _fmt(value: float | int | None) -> str:
 
 def markdown_table(rows: list[Row]) -> str:
     lines = [
-        "| policy | batch | context | metric | value | vanilla | ratio |",
+        "| policy | batch | context | metric | value | vanilla (fastest backend) | ratio |",
         "| --- | ---: | ---: | --- | ---: | ---: | ---: |",
     ]
     for r in rows:
         value = f"skipped: {r.skipped}" if r.skipped else _fmt(r.value)
+        baseline = _fmt(r.baseline_value) + (f" ({r.baseline_backend})" if r.baseline_backend else "")
         lines.append(
             f"| {r.policy} | {r.batch} | {r.context} | {r.metric} | {value} "
-            f"| {_fmt(r.baseline_value)} | {_fmt(r.ratio)} |"
+            f"| {baseline} | {_fmt(r.ratio)} |"
         )
     return "\n".join(lines)
 

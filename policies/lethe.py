@@ -116,6 +116,8 @@ class Lethe(KVPolicy):
     def shrink_layer(self, positions: torch.Tensor, scores: torch.Tensor) -> LayerShrink:
         """Algorithm 1 on one layer's retained entries (logical positions ascending, scores)."""
         n = positions.numel()
+        if n == 0:  # a layer that holds nothing (yet) keeps nothing
+            return LayerShrink(torch.zeros(0, dtype=torch.bool, device=positions.device), None)
         recent = self.recent_window(n)
         keep = positions < self.sink_tokens
         keep[n - recent :] = True

@@ -20,6 +20,7 @@ from sglang_ext.platform import cpu
 
 
 _HANDED_OUT: set[int] = set()
+_BIND_FAILED = "error while attempting to bind on address"
 
 
 def free_port() -> int:
@@ -85,6 +86,13 @@ class EngineServer:
                 raise RuntimeError(
                     f"server exited with {self.proc.returncode}:\n{log_tail(self.log_path)}"
                 )
+            if _BIND_FAILED in log_tail(self.log_path, 2000):
+                # Another server starting beside it took the port for one of its own sockets in
+                # the meantime (SGLang then waits forever): start again on a fresh one.
+                self.stop()
+                self._move_to(free_port())
+                self.start()
+                continue
             try:
                 if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
                     return self
@@ -108,6 +116,11 @@ class EngineServer:
                 return
             time.sleep(0.5)
         raise TimeoutError(f"server still busy after {timeout}s")
+
+    def _move_to(self, port: int) -> None:
+        self.argv = [str(port) if a == str(self.port) and prev == "--port" else a
+                     for prev, a in zip(["", *self.argv], self.argv)]  # fmt: skip
+        self.port, self.url = port, f"http://127.0.0.1:{port}"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
