@@ -22,7 +22,8 @@ case "${1:?now or before}" in
   now)
     export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
     "$python" -c "from benchmarks.harness import require_plugin_entry_point as r; r()"
-    "$python" -m benchmarks.decode_step "${points[@]}" --max-running-requests 64 --cuda-graph-max-bs 64 \
+    # NOW_FLAGS="" gives the engine flags of `before` (which cannot take these), for an A/B
+    "$python" -m benchmarks.decode_step "${points[@]}" ${NOW_FLAGS---max-running-requests 64 --cuda-graph-max-bs 64} \
       --policies "${POLICIES:-vanilla@fa3,vanilla@flashinfer,vanilla@triton,delta,tidal,lethe,art}" ;;
   before)
     cd "${OLD_TREE:?a checkout with benchmarks/}"

@@ -57,8 +57,9 @@ def run_step(forward, model_runner, forward_batch, *args, **kwargs):
         rerun_extend=lambda plan: _rerun_extend(model_runner, forward_batch, plan),
     )
     runtime.run_plan(step.plan, forward_batch, ops)
-    for req in step.reqs:
-        requests.mark_evicted(req)
+    if step.plan.rounds:
+        for req in step.reqs:
+            requests.mark_evicted(req)
     output = forward(model_runner, forward_batch, *args, **kwargs)
     logits = getattr(output, "logits_output", None)
     if hasattr(logits, "customized_info"):
