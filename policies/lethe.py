@@ -42,7 +42,7 @@ class LayerShrink:
     """One layer's outcome of a round: which retained entries it keeps, and the count the
     threshold update uses (breakpoint + recent window), or None when no breakpoint was found."""
 
-    keep: torch.Tensor  # bool [n], over the layer's retained entries
+    keep: torch.Tensor | None  # bool [n], over the layer's retained entries
     salient_plus_recent: int | None
 
 
@@ -130,6 +130,56 @@ class Lethe(KVPolicy):
         breakpoint = int(cuts[int(dropped.int().argmax())])
         keep[top_indices[:breakpoint]] = True
         return LayerShrink(keep, breakpoint + recent)
+
+    def shrink_layers(self, positions: torch.Tensor, scores: torch.Tensor, counts: list[int]):
+        """``shrink_layer`` on every layer of a request at once, on the device: layer l's retained
+        entries are the first ``counts[l]`` columns of ``positions``/``scores`` [layers, n]. Returns
+        (keep [layers, n] bool, False past a layer's count; found [layers] bool: a breakpoint;
+        salient_plus_recent [layers] int64, meaningful where found), without a host sync."""
+        layers, n = scores.shape
+        device = scores.device
+        column = torch.arange(n, device=device)
+        count = torch.tensor(counts, device=device)
+        recent = torch.tensor([self.recent_window(c) for c in counts], device=device)
+        valid = column < count[:, None]
+        keep = valid & ((positions < self.sink_tokens) | (column >= (count - recent)[:, None]))
+        ranked, order = torch.sort(
+            torch.where(valid, scores, float("-inf")), dim=1, descending=True, stable=True
+        )
+        cut_lists = [[c * d // self.segments for d in range(1, self.segments)] for c in counts]
+        cuts = torch.tensor(cut_lists, device=device).view(layers, self.segments - 1)
+        real_cut = (cuts > 0) & (cuts < count[:, None])
+        at_cut = ranked.gather(1, cuts.clamp(max=max(n - 1, 0))) if n else ranked[:, :0]
+        dropped = real_cut & (ranked[:, :1] > self.sparse_ratio * at_cut) if n else real_cut
+        found = dropped.any(1)
+        breakpoint = cuts.gather(1, dropped.int().argmax(1, keepdim=True)).squeeze(1)
+        salient = torch.zeros_like(valid).scatter_(1, order, column < breakpoint[:, None])
+        keep = torch.where(found[:, None], keep | salient, valid)
+        return keep, found, breakpoint + recent
+
+    def cap_union_layers(
+        self, positions: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor, length: int
+    ) -> torch.Tensor:
+        """``cap_union`` of what ``shrink_layers`` kept ([layers, n] each), on the device without a
+        host sync. Bool [length]."""
+        device = scores.device
+        total = torch.where(keep, scores, 0.0).sum(1, keepdim=True)
+        share = scores / total.clamp_min(torch.finfo(torch.float32).tiny)
+        best = torch.full((keep.shape[0], length + 1), float("-inf"), device=device)
+        at = torch.where(keep, positions.long(), length)  # what a layer dropped goes to a spare column
+        best.scatter_reduce_(1, at, torch.where(keep, share, float("-inf")), "amax")
+        best = best[:, :length].amax(0)
+        union = torch.isfinite(best)
+        cap = self.round_cap(length)
+        capped = torch.zeros(length, dtype=torch.bool, device=device)
+        capped[: self.sink_tokens] = True
+        capped[length - self.recent_window(cap) :] = True
+        room = cap - capped.sum()
+        candidates = torch.where(capped | ~union, float("-inf"), best)
+        top = torch.topk(candidates, min(cap, length))
+        chosen = (torch.arange(top.indices.numel(), device=device) < room) & torch.isfinite(top.values)
+        capped |= torch.zeros_like(capped).scatter_(0, top.indices, chosen)
+        return torch.where(union.sum() <= cap, union, capped)
 
     def round_cap(self, length: int) -> int:
         """The most positions of ``length`` a round leaves."""

@@ -217,26 +217,23 @@ class LetheRuntime(PolicyRuntime):
             )
 
     def prune(self, request: StepRequest, length: int, engine: EngineOps) -> None:
-        """One pruning round of a request over its first ``length`` positions."""
+        """One pruning round of a request over its first ``length`` positions: every layer at
+        once on the device (``Lethe.shrink_layers``, ``cap_union_layers``), with three host reads
+        per round (the lists' lengths, the slots to free, the outcome)."""
+        from sglang_ext.policies.lethe import LayerShrink
+
         state, row = request.state, request.row
         own, lethe = state.policy, state.policy_state
-        shrinks, kept, kept_scores = [], [], []
-        counts = self.count[:, row].tolist()  # one read for every layer
-        for lid, n in enumerate(counts):
-            positions, scores = self.positions[lid, row, :n], self.scores[lid, row, :n]
-            shrink = own.shrink_layer(positions, scores)
-            shrinks.append(shrink)
-            kept.append(positions[shrink.keep])
-            kept_scores.append(scores[shrink.keep])
-        kept_by_any = own.cap_union(kept, kept_scores, length)
-        per_layer = []
-        for lid, (positions, scores) in enumerate(zip(kept, kept_scores, strict=True)):
-            stays = kept_by_any[positions.long()]
-            m = int(stays.sum())
-            self.positions[lid, row, :m] = positions[stays]
-            self.scores[lid, row, :m] = scores[stays]
-            self.count[lid, row] = m
-            per_layer.append(m)
+        counts = self.count[:, row].tolist()
+        n = max(counts)
+        positions, scores = self.positions[:, row, :n], self.scores[:, row, :n]
+        keep, found, salient_plus_recent = own.shrink_layers(positions, scores, counts)
+        kept_by_any = own.cap_union_layers(positions, scores, keep, length)
+        stays = keep & kept_by_any[positions.long().clamp(max=length - 1)]
+        order = torch.sort((~stays).to(torch.int8), dim=1, stable=True).indices  # kept first
+        self.positions[:, row, :n] = positions.gather(1, order)
+        self.scores[:, row, :n] = scores.gather(1, order)
+        self.count[:, row] = stays.sum(1).to(torch.int32)
         slots = self.ctx.req_to_token[row, :length]
         hole = self.ctx.hole_slot
         freeable = ~kept_by_any & (slots != hole)
@@ -246,6 +243,10 @@ class LetheRuntime(PolicyRuntime):
         available_before = engine.available_slots()
         engine.free_slots(freed)
 
+        per_layer, found, salient_plus_recent = torch.stack(
+            [self.count[:, row].long(), found.long(), salient_plus_recent]
+        ).tolist()
+        shrinks = [LayerShrink(None, s if f else None) for f, s in zip(found, salient_plus_recent)]
         state.evicted += freed.numel()
         state.rounds += 1
         lethe.retained_per_layer = per_layer

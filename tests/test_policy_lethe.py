@@ -87,3 +87,42 @@ def test_union_under_the_cap_is_left_alone():
     policy = Lethe(max_kv_ratio=1.0)
     keep = policy.cap_union([torch.tensor([0, 5]), torch.tensor([5, 9])], [torch.ones(2)] * 2, 10)
     assert torch.nonzero(keep).flatten().tolist() == [0, 5, 9]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_round_over_all_layers_at_once_equals_layer_by_layer(seed):
+    """shrink_layers and cap_union_layers (one device pass, the engine's) against shrink_layer and
+    cap_union (per layer, the reference): peaked, flat, short and empty layers of one request."""
+    gen = torch.Generator().manual_seed(seed)
+    policy = Lethe(sparse_ratio=50.0, recent_ratio=0.2, sink_tokens=3, segments=8, max_kv_ratio=0.3)
+    length, width = 300, 300
+    counts = [300, 300, 120, 7, 0, 250]
+    positions = torch.zeros(len(counts), width, dtype=torch.int32)
+    scores = torch.rand(len(counts), width, generator=gen)  # past a count: stale entries
+    for layer, n in enumerate(counts):
+        kept = torch.sort(torch.randperm(length, generator=gen)[:n]).values
+        positions[layer, :n] = kept.int()
+    scores[0] = scores[0] ** 12  # peaked: a breakpoint
+    scores[1, :300] = 1.0 + 0.01 * scores[1, :300]  # flat: none
+    keep, found, salient_plus_recent = policy.shrink_layers(positions, scores, counts)
+    kept, kept_scores = [], []
+    for layer, n in enumerate(counts):
+        one = policy.shrink_layer(positions[layer, :n], scores[layer, :n])
+        assert torch.equal(keep[layer, :n], one.keep), layer
+        assert not keep[layer, n:].any()
+        assert bool(found[layer]) == (one.salient_plus_recent is not None)
+        if one.salient_plus_recent is not None:
+            assert int(salient_plus_recent[layer]) == one.salient_plus_recent
+        kept.append(positions[layer, :n][one.keep])
+        kept_scores.append(scores[layer, :n][one.keep])
+    assert bool(found[0]) and not bool(found[1])
+    expected = policy.cap_union(kept, kept_scores, length)
+    assert torch.equal(policy.cap_union_layers(positions, scores, keep, length), expected)
+
+
+def test_the_batched_union_under_the_cap_is_left_alone():
+    policy = Lethe(max_kv_ratio=1.0)
+    positions = torch.tensor([[0, 5], [5, 9]], dtype=torch.int32)
+    keep = torch.ones(2, 2, dtype=torch.bool)
+    union = policy.cap_union_layers(positions, torch.ones(2, 2), keep, 10)
+    assert torch.nonzero(union).flatten().tolist() == [0, 5, 9]
