@@ -53,6 +53,17 @@ def test_launcher_serves_the_embedded_model_on_localhost(servers):
 def test_policy_backend_decodes_and_vanilla_is_untouched(servers):
     assert "PolicyTorchNativeAttnBackend decoding with policy {'name': 'full'}" in servers["full"].log()
     assert "decoding with policy" not in servers["vanilla"].log()
+    full, vanilla = servers["full"], servers["vanilla"]
+    served = requests.get(f"{full.url}/policy", headers=full.headers, timeout=30)
+    assert served.status_code == 200 and served.json()["policy"]["name"] == "full"
+    # without a policy the package adds nothing to SGLang: not even its route
+    assert requests.get(f"{vanilla.url}/policy", timeout=30).status_code == 404
+
+
+def test_the_embedded_model_is_served_under_its_name(servers):
+    full = servers["full"]
+    models = requests.get(f"{full.url}/v1/models", headers=full.headers, timeout=30).json()
+    assert [m["id"] for m in models["data"]] == ["SmolLM2-135M-Instruct"]
 
 
 def test_full_policy_gives_vanilla_greedy_tokens(servers):
