@@ -22,6 +22,7 @@ from pathlib import Path
 
 from benchmarks import harness, plot
 from benchmarks.harness import Row, RunInfo
+from sglang_ext.launch import flag_value
 
 BENCH = "decode_step"
 METRICS = ("decode_step_latency_s", "decode_throughput_tok_s")
@@ -90,7 +91,7 @@ def run_policy(args: argparse.Namespace, policy: str, log_path: Path) -> dict:
             raise RuntimeError(
                 f"{policy}: exited with {code}; log {log_path}:\n{harness.log_tail(log_path)}"
             )
-        backend = harness.split_policy(policy)[1] or harness.flag_value(one_batch_flags, "--attention-backend")
+        backend = harness.split_policy(policy)[1] or flag_value(one_batch_flags, "--attention-backend")
         return {**json.loads(result_json.read_text()), "backend_flag": backend}
 
 

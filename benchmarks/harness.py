@@ -181,10 +181,6 @@ def split_policy(name: str) -> tuple[str, str | None]:
     return policy, backend or None
 
 
-def flag_value(argv: list[str], flag: str) -> str:
-    return argv[argv.index(flag) + 1] if flag in argv else ""
-
-
 def is_vanilla(name: str) -> bool:
     return split_policy(name)[0] == VANILLA
 

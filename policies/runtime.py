@@ -79,7 +79,7 @@ class RuntimeStats:
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
-    """What ``plan_step`` decided for one batch, for ``run_plan`` and ``prepare_step``."""
+    """What ``plan_step`` decided for one batch, for ``run_plan``."""
 
     decode: bool
     requests: list[StepRequest]
@@ -94,7 +94,8 @@ class EngineOps:
 
     free_slots: Callable[[torch.Tensor], None]  # give KV slots back to the pool
     available_slots: Callable[[], int]
-    rerun_extend: Callable[[Any], None]  # forward a CorrectionPlan as an extend (its K/V only)
+    # rerun_extend(plan, decode_batch): forward a CorrectionPlan as an extend (its K/V only)
+    rerun_extend: Callable[[Any, Any], None]
 
 
 class PolicyRuntime:
@@ -136,7 +137,7 @@ class PolicyRuntime:
             table = self.ctx.request_values
             table[forward_batch.req_pool_indices] = plan.request_values.to(table.device)
         if plan.correction is not None:
-            engine.rerun_extend(plan.correction)
+            engine.rerun_extend(plan.correction, forward_batch)
             if self.stats.corrections == 0:
                 logger.info(
                     "sglang_ext: first cache correction re-filled %d tokens of %d requests from "

@@ -4,8 +4,8 @@ set before its engine processes start), so metrics made in the scheduler process
 HTTP server's ``/metrics`` with SGLang's.
 
 Observed once per decode batch in the scheduler process, from host data it already has (no
-device sync), when the engine adapter plans the batch (``sglang_ext.engine.steps``): each
-request's ``PolicyRuntime.report`` and the runtime's stats. ART's tile counts are accumulated by
+device sync), after the step (``sglang_ext.engine.steps``): each request's
+``PolicyRuntime.report``, the same the per-request report gets, and the runtime's stats. ART's tile counts are accumulated by
 its kernel on the device and copied back without waiting (``DeviceCounts``), so they lag a step
 or so.
 """
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from sglang_ext.policies.runtime import PolicyRuntime, RuntimeStats, StepRequest
+from sglang_ext.policies.runtime import PolicyRuntime, RequestReport, RuntimeStats, StepRequest
 
 PREFIX = "sglang_ext:"
 _TOKEN_BUCKETS = tuple(float(2**i) for i in range(4, 18))
@@ -96,11 +96,12 @@ class PolicyMetrics:
         self._seen = RuntimeStats()
         self.art = ArtMetrics(labels, art_tile_counts) if art_tile_counts is not None else None
 
-    def observe_decode(self, runtime: PolicyRuntime, step: list[StepRequest]) -> None:
+    def observe_decode(
+        self, runtime: PolicyRuntime, step: list[StepRequest], reports: list[RequestReport]
+    ) -> None:
         started = time.perf_counter()
         logical = retained = 0
-        for request in step:
-            report = runtime.report(request, extend=False)
+        for request, report in zip(step, reports, strict=True):
             logical += request.seq_len
             retained += report.held
             self.attended.observe(report.attended)
@@ -118,9 +119,12 @@ class PolicyMetrics:
 _metrics: PolicyMetrics | None = None
 
 
-def observe_decode(runtime: PolicyRuntime, step: list[StepRequest]) -> None:
-    """A decode batch of this process's runtime (its metrics are made at the first)."""
+def observe_decode(
+    runtime: PolicyRuntime, step: list[StepRequest], reports: list[RequestReport]
+) -> None:
+    """A decode batch of this process's runtime, with each request's report after the step (its
+    metrics are made at the first)."""
     global _metrics
     if _metrics is None:
         _metrics = PolicyMetrics(runtime.policy.name, runtime.tile_counts)
-    _metrics.observe_decode(runtime, step)
+    _metrics.observe_decode(runtime, step, reports)

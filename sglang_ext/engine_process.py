@@ -118,8 +118,8 @@ class EngineServer:
         raise TimeoutError(f"server still busy after {timeout}s")
 
     def _move_to(self, port: int) -> None:
-        self.argv = [str(port) if a == str(self.port) and prev == "--port" else a
-                     for prev, a in zip(["", *self.argv], self.argv)]  # fmt: skip
+        if "--port" in self.argv:
+            self.argv[self.argv.index("--port") + 1] = str(port)
         self.port, self.url = port, f"http://127.0.0.1:{port}"
 
     def log(self) -> str:

@@ -61,7 +61,7 @@ def _has_flag(argv: list[str], *flags: str) -> bool:
     return any(arg == f or arg.startswith(f + "=") for arg in argv for f in flags)
 
 
-def _flag_value(argv: list[str], flag: str, default: str) -> str:
+def flag_value(argv: list[str], flag: str, default: str = "") -> str:
     for i, arg in enumerate(argv):
         if arg == flag and i + 1 < len(argv):
             return argv[i + 1]
@@ -96,21 +96,21 @@ def sglang_argv(argv: list[str], policy: KVPolicy | None = None) -> list[str]:
 
 def _check_engine_flags(parser: argparse.ArgumentParser, argv: list[str], policy: KVPolicy) -> None:
     """Flags under which a policy would silently not run (exit 2 naming the flag)."""
-    backend = _flag_value(argv, "--attention-backend", "")
-    decode = _flag_value(argv, "--decode-attention-backend", backend)
+    backend = flag_value(argv, "--attention-backend", "")
+    decode = flag_value(argv, "--decode-attention-backend", backend)
     if decode not in POLICY_BASES:
         parser.error(
             f"argument --attention-backend: sglang_ext policies decode through {decode!r}, "
             f"which they do not wrap (valid: {', '.join(POLICY_BASES)})"
         )
-    prefill = _flag_value(argv, "--prefill-attention-backend", backend)
+    prefill = flag_value(argv, "--prefill-attention-backend", backend)
     if prefill != decode:
         # SGLang then runs a hybrid backend around both, whose decode half our hooks cannot see
         parser.error(
             f"argument --prefill-attention-backend: {prefill!r} differs from the decode backend "
             f"{decode!r}; sglang_ext policies need one backend for both"
         )
-    page_size = _flag_value(argv, "--page-size", "1")
+    page_size = flag_value(argv, "--page-size", "1")
     if policy.evicts() and page_size != "1":
         parser.error(
             f"argument --page-size: {policy.name} frees single KV slots, so it needs --page-size 1, "

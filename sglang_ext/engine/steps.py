@@ -2,11 +2,11 @@
 
 - after ``ForwardBatch.init_new`` (it still sees the scheduler's requests): a prefill gives each
   request its state (``requests.begin_prefill``); every batch gets the runtime's host-side plan
-  (``plan_step``, from ``seq_lens_cpu``: no device sync), and a decode batch is observed by the
-  metrics;
+  (``plan_step``, from ``seq_lens_cpu``: no device sync);
 - around ``ModelRunner.forward``: the plan runs first (``run_plan``: a prefill's rows, eviction
-  rounds, cache correction), then the forward, then each request's report goes into the step's
-  ``customized_info`` (SGLang's per-token channel to the response's meta_info).
+  rounds, cache correction), then the forward; then each request's report, made once, goes into
+  the step's ``customized_info`` (SGLang's per-token channel to the response's meta_info) and,
+  for a decode batch, into the metrics.
 """
 
 from __future__ import annotations
@@ -39,8 +39,6 @@ def plan_batch(forward_batch, cls, batch, model_runner, *args, **kwargs):
             requests.begin_prefill(runtime, req)
     step = requests.step_requests(runtime, reqs, forward_batch.seq_lens_cpu.tolist())
     setattr(forward_batch, _STEP, _Step(runtime.plan_step(step, decode), reqs))
-    if decode and model_runner.server_args.enable_metrics:
-        metrics.observe_decode(runtime, step)
     return forward_batch
 
 
@@ -50,22 +48,36 @@ def run_step(forward, model_runner, forward_batch, *args, **kwargs):
         return forward(model_runner, forward_batch, *args, **kwargs)
     setattr(forward_batch, _STEP, None)  # a correction batch copies this one: it must not rerun it
     runtime = runtime_of(model_runner)
-    allocator = model_runner.token_to_kv_pool_allocator
-    ops = EngineOps(
-        free_slots=allocator.free,
-        available_slots=allocator.available_size,
-        rerun_extend=lambda plan: _rerun_extend(model_runner, forward_batch, plan),
-    )
-    runtime.run_plan(step.plan, forward_batch, ops)
+    runtime.run_plan(step.plan, forward_batch, engine_ops(model_runner))
     if step.plan.rounds:
         for req in step.reqs:
             requests.mark_evicted(req)
     output = forward(model_runner, forward_batch, *args, **kwargs)
     logits = getattr(output, "logits_output", None)
+    observe = step.plan.decode and model_runner.server_args.enable_metrics
+    if not (observe or hasattr(logits, "customized_info")):
+        return output
+    reports = [runtime.report(r, extend=not step.plan.decode) for r in step.plan.requests]
     if hasattr(logits, "customized_info"):
-        reports = [runtime.report(r, extend=not step.plan.decode) for r in step.plan.requests]
         logits.customized_info = {**(logits.customized_info or {}), **report.step_entries(reports)}
+    if observe:
+        metrics.observe_decode(runtime, step.plan.requests, reports)
     return output
+
+
+_OPS = "sglang_ext_ops"  # on a ModelRunner: its EngineOps, made once
+
+
+def engine_ops(model_runner) -> EngineOps:
+    ops = getattr(model_runner, _OPS, None)
+    if ops is None:
+        allocator = model_runner.token_to_kv_pool_allocator
+        ops = EngineOps(
+            allocator.free, allocator.available_size,
+            rerun_extend=lambda plan, decode_batch: _rerun_extend(model_runner, decode_batch, plan),
+        )  # fmt: skip
+        setattr(model_runner, _OPS, ops)
+    return ops
 
 
 def _rerun_extend(model_runner, decode_batch, plan) -> None:
