@@ -20,7 +20,7 @@ from sglang_ext.platform import cpu
 
 
 _HANDED_OUT: set[int] = set()
-_BIND_FAILED = "error while attempting to bind on address"
+_PORT_TAKEN = ("error while attempting to bind on address", "EADDRINUSE")
 
 
 def free_port() -> int:
@@ -82,17 +82,17 @@ class EngineServer:
     def wait_ready(self, timeout_s: float = 900) -> EngineServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"server exited with {self.proc.returncode}:\n{log_tail(self.log_path)}"
-                )
-            if _BIND_FAILED in log_tail(self.log_path, 2000):
-                # Another server starting beside it took the port for one of its own sockets in
-                # the meantime (SGLang then waits forever): start again on a fresh one.
+            tail = log_tail(self.log_path, 6000)
+            # Another server starting beside it took one of its ports for a socket of its own in
+            # the meantime: SGLang then waits forever (HTTP) or exits (torch.distributed). Start
+            # again on fresh ports.
+            if any(sign in tail for sign in _PORT_TAKEN):
                 self.stop()
                 self._move_to(free_port())
                 self.start()
                 continue
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{tail}")
             try:
                 if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
                     return self
