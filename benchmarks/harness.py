@@ -17,7 +17,7 @@ from pathlib import Path
 
 
 from sglang_ext.engine_process import EngineServer, engine_env, free_port, log_tail  # noqa: F401  (re-exported)
-from sglang_ext.launch import CPU_DEFAULT_MAX_TOTAL_TOKENS
+from sglang_ext.launch import CPU_DEFAULT_MAX_TOTAL_TOKENS, CUDA_DEFAULT_BACKEND
 from sglang_ext.platform import cpu
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -195,7 +195,8 @@ def engine_flags(
     graphs stay on. On CPU the KV pool is capped as sglang_ext.launch caps it.
     """
     if cpu.is_cuda_host():
-        flags = ["--attention-backend", attention_backend or "triton", "--disable-prefill-cuda-graph"]
+        backend = attention_backend or CUDA_DEFAULT_BACKEND
+        flags = ["--attention-backend", backend, "--disable-prefill-cuda-graph"]
     else:
         flags = cpu.as_argv(cpu.server_flags())
         max_total_tokens = max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS

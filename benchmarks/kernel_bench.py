@@ -119,6 +119,7 @@ def policy_decoders(name: str, inputs: Inputs, budget_tokens: int, num_layers: i
         num_layers=num_layers, base_decode=None, write_kv=None,
         kv_pool=SimpleNamespace(get_key_buffer=lambda _: k, get_value_buffer=lambda _: v),
         req_to_token=inputs.req_to_token, max_batch_size=inputs.batch, device=torch.device("cuda"),
+        num_q_heads=inputs.q.shape[1], head_dim=inputs.q.shape[2],
     )  # fmt: skip
     policy = build_policy(name, params).for_model(ctx)
     fns = policy.decode_fns(ctx)

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .split_kv_decode import _stage2
+from .split_kv_decode import merge_splits
 
 TILE = 32
 _DOT_IN_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -289,14 +289,7 @@ def art_decode(
         PROBE_STRIDE=probe_stride, COUNT_TILES=tile_counts is not None,
         PER_REQUEST=request_params is not None, DOT_IN_FP32=_DOT_IN_FP32, num_warps=4, num_stages=2,
     )  # fmt: skip
-    _stage2[(batch, num_q_heads)](
-        mid_out, mid_lse, out, lse,
-        mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1), num_q_heads,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_kv_splits,
-        BLOCK_S=triton.next_power_of_2(num_kv_splits), num_warps=4,
-    )  # fmt: skip
+    merge_splits(mid_out, mid_lse, out, lse)
     return out, tiles_read
 
 

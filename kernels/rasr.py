@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .split_kv_decode import attend_positions_ref, split_kv_decode
+from .split_kv_decode import SplitKVWorkspace, attend_positions_ref, split_kv_decode
 
 _BLOCK_J = 128  # retained entries per scoring program
 
@@ -70,8 +70,9 @@ def retained_decode(
     sm_scale: float,
     gamma: float,
     logits: torch.Tensor,
-    num_kv_splits: int = 8,
+    num_kv_splits: int | None = None,
     state_rows: torch.Tensor | None = None,
+    workspace: SplitKVWorkspace | None = None,
 ) -> torch.Tensor:
     """Decode attention of q [batch, q_heads, dim] over each request's retained positions.
 
@@ -79,14 +80,16 @@ def retained_decode(
     scores [rows, cap] fp32 is updated in place for the batch's rows. ``logits`` is a scratch
     buffer [>= batch, q_heads, >= max position + 1] fp32. ``state_rows`` (default
     req_pool_indices) picks each entry's row of positions/count/scores: CUDA-graph padding points
-    it at a row with count 0, so padded entries read and score nothing. Returns out in q's dtype.
+    it at a row with count 0, so padded entries read and score nothing; the kernel reads each
+    entry's list in place (no gather of the context-wide rows). ``num_kv_splits`` and
+    ``workspace`` as for split_kv_decode. Returns out in q's dtype.
     """
     batch, num_q_heads, _ = q.shape
     rows = req_pool_indices if state_rows is None else state_rows
     out, lse = split_kv_decode(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale,
-        selected=positions[rows], num_selected=count[rows], selected_span=1,
-        logits=logits[:batch], num_kv_splits=num_kv_splits,
+        selected=positions, selected_rows=rows, num_selected=count[rows], selected_span=1,
+        logits=logits[:batch], num_kv_splits=num_kv_splits, workspace=workspace,
     )  # fmt: skip
     _accumulate_kernel[(batch, triton.cdiv(positions.shape[1], _BLOCK_J))](
         logits, lse, positions, count, rows, scores, gamma,

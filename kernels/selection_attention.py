@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .split_kv_decode import attend_positions_ref, split_kv_decode
+from .split_kv_decode import SplitKVWorkspace, attend_positions_ref, split_kv_decode
 
 PAGE_SIZE = 16
 _BLOCK_T = 64  # tokens per scoring program; a multiple of the page size
@@ -75,12 +75,12 @@ def _scores_kernel(
         tl.store(PageScores + batch * stride_ps_b + offs_p, page, mask=offs_p < max_pages)
 
 
-def _attend_and_score(cache, max_seq_len, num_kv_splits, out, use_probs):
+def _attend_and_score(cache, max_seq_len, splitting, out, use_probs):
     q, req_to_token, seq_lens = cache[0], cache[3], cache[5]
     batch, num_q_heads, _ = q.shape
     max_seq_len = req_to_token.shape[1] if max_seq_len is None else max_seq_len
     logits = torch.empty(batch, num_q_heads, max_seq_len, dtype=torch.float32, device=q.device)
-    out, lse = split_kv_decode(*cache, logits=logits, num_kv_splits=num_kv_splits, out=out)
+    out, lse = split_kv_decode(*cache, logits=logits, **splitting, out=out)
 
     max_pages = triton.cdiv(max_seq_len, PAGE_SIZE)
     token_scores = torch.empty(batch, max_seq_len, dtype=torch.float32, device=q.device)
@@ -104,17 +104,20 @@ def delta_selection_attention(
     seq_lens: torch.Tensor,
     sm_scale: float,
     max_seq_len: int | None = None,
-    num_kv_splits: int = 8,
+    num_kv_splits: int | None = None,
+    workspace: SplitKVWorkspace | None = None,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Full decode attention of a Δ-layer.
 
     Returns (out [batch, q_heads, dim] in q's dtype, token_scores [batch, max_seq_len] fp32,
     page_scores [batch, ceil(max_seq_len / 16)] fp32). max_seq_len (default req_to_token.shape[1])
-    sizes the score buffers and must cover every seq_len.
+    sizes the score buffers and must cover every seq_len; num_kv_splits and workspace as for
+    split_kv_decode.
     """
     cache = (q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale)
-    return _attend_and_score(cache, max_seq_len, num_kv_splits, out, use_probs=True)
+    splitting = {"num_kv_splits": num_kv_splits, "workspace": workspace}
+    return _attend_and_score(cache, max_seq_len, splitting, out, use_probs=True)
 
 
 def tidal_selection_attention(
@@ -126,7 +129,8 @@ def tidal_selection_attention(
     seq_lens: torch.Tensor,
     sm_scale: float,
     max_seq_len: int | None = None,
-    num_kv_splits: int = 8,
+    num_kv_splits: int | None = None,
+    workspace: SplitKVWorkspace | None = None,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Full decode attention of a TidalDecode token-selection layer.
@@ -135,9 +139,8 @@ def tidal_selection_attention(
     max_seq_len as for delta_selection_attention.
     """
     cache = (q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale)
-    out, token_scores, _ = _attend_and_score(
-        cache, max_seq_len, num_kv_splits, out, use_probs=False
-    )
+    splitting = {"num_kv_splits": num_kv_splits, "workspace": workspace}
+    out, token_scores, _ = _attend_and_score(cache, max_seq_len, splitting, out, use_probs=False)
     return out, token_scores
 
 

@@ -9,7 +9,7 @@ request's last page); its missing tokens are skipped.
 
 import torch
 
-from .split_kv_decode import attend_positions_ref, split_kv_decode
+from .split_kv_decode import SplitKVWorkspace, attend_positions_ref, split_kv_decode
 
 
 def sparse_decode_attention(
@@ -23,15 +23,17 @@ def sparse_decode_attention(
     num_selected: torch.Tensor,
     sm_scale: float,
     page_size: int = 16,
-    num_kv_splits: int = 8,
+    num_kv_splits: int | None = None,
+    workspace: SplitKVWorkspace | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [batch, q_heads, dim] over the selected pages (page_size=16, DELTA) or
     tokens (page_size=1, TidalDecode). Returns out [batch, q_heads, dim] in q's dtype; the
-    arithmetic is fp32."""
+    arithmetic is fp32. num_kv_splits and workspace as for split_kv_decode."""
     cache = (q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale)
     selection = {"selected": selected, "num_selected": num_selected, "selected_span": page_size}
-    out, _ = split_kv_decode(*cache, **selection, num_kv_splits=num_kv_splits, out=out)
+    splitting = {"num_kv_splits": num_kv_splits, "workspace": workspace}
+    out, _ = split_kv_decode(*cache, **selection, **splitting, out=out)
     return out
 
 

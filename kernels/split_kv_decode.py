@@ -9,6 +9,7 @@ LSE = -inf), the final LSE is returned, and stage 1 can also store the scaled lo
 scoring. Lengths stay on the device and grids depend on shapes only: launches are CUDA-graph safe.
 """
 
+import functools
 import os
 
 import torch
@@ -16,6 +17,10 @@ import triton
 import triton.language as tl
 
 _BLOCK_N = 32  # tokens per inner step; also the split granularity, like SGLang's MIN_BLOCK_KV
+# A grid of about this many programs per SM hides memory latency; a fixed split count left most
+# SMs idle at small batches (8 splits x 2 KV heads = 16 programs on 132 SMs at batch 1).
+PROGRAMS_PER_SM = 4
+MAX_KV_SPLITS = 128
 # Triton's interpreter multiplies bf16 tl.dot operands as raw uint16 bits (triton 3.8), so under it
 # the dots run on fp32 copies; compiled kernels keep native-dtype tensor-core dots.
 _DOT_IN_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -30,6 +35,7 @@ def _stage1(
     ReqPoolIdx,
     SeqLens,
     Selected,
+    SelectedRows,
     NumSelected,
     MidO,
     MidLse,
@@ -51,13 +57,14 @@ def _stage1(
     stride_lg_b,
     stride_lg_h,
     logits_len,
+    num_splits,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     SELECTED_SPAN: tl.constexpr,
+    INDIRECT_ROWS: tl.constexpr,
     STORE_LOGITS: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
 ):
@@ -76,9 +83,13 @@ def _stage1(
     # Virtual token n is logical position n, or token n % SPAN of selected entry n // SPAN.
     if SELECTED_SPAN > 0:
         length = tl.load(NumSelected + batch) * SELECTED_SPAN
+        if INDIRECT_ROWS:  # entry b's selection is row SelectedRows[b] of Selected
+            selected_row = Selected + tl.load(SelectedRows + batch).to(tl.int64) * stride_sel
+        else:
+            selected_row = Selected + batch * stride_sel
     else:
         length = seq_len
-    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
     start = per_split * split
     end = tl.minimum(start + per_split, length)
 
@@ -96,9 +107,7 @@ def _stage1(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         in_split = offs_n < end
         if SELECTED_SPAN > 0:
-            entry = tl.load(
-                Selected + batch * stride_sel + offs_n // SELECTED_SPAN, mask=in_split, other=0
-            )
+            entry = tl.load(selected_row + offs_n // SELECTED_SPAN, mask=in_split, other=0)
             pos = entry * SELECTED_SPAN + offs_n % SELECTED_SPAN
         else:
             pos = offs_n
@@ -163,16 +172,16 @@ def _stage2(
     stride_ob,
     stride_oh,
     num_heads,
+    num_splits,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     batch = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < NUM_SPLITS
+    mask_s = offs_s < num_splits
     mask_d = offs_d < HEAD_DIM
 
     lse_row = MidLse + batch * stride_lse_b + head * stride_lse_h
@@ -197,6 +206,53 @@ def _stage2(
     )
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter on CPU: any small grid
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_kv_splits_for(batch: int, num_kv_heads: int, max_tokens: int, device) -> int:
+    """Splits per (request, KV head): enough programs to fill the GPU, none narrower than one
+    block of ``max_tokens`` (the most a request attends to), a power of two (few compiled
+    variants). It depends on shapes only, so a CUDA graph captured for a batch size keeps it."""
+    wanted = triton.cdiv(PROGRAMS_PER_SM * _num_sms(torch.device(device)), batch * num_kv_heads)
+    useful = triton.cdiv(max_tokens, _BLOCK_N)
+    return min(triton.next_power_of_2(max(1, min(wanted, useful))), MAX_KV_SPLITS)
+
+
+class SplitKVWorkspace:
+    """split_kv_decode's scratch for one layer shape, owned up front: each split's partial output
+    and LSE for batches up to ``max_batch`` at the split counts ``num_kv_splits_for`` picks, and
+    the merged LSE. A call takes views of it, so decode allocates nothing."""
+
+    def __init__(self, max_batch, num_q_heads, num_kv_heads, head_dim, max_tokens, device):
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.max_tokens, self.device = max_tokens, torch.device(device)
+        self.splits = [0] + [
+            num_kv_splits_for(b, num_kv_heads, max_tokens, device) for b in range(1, max_batch + 1)
+        ]
+        most = max(b * splits for b, splits in enumerate(self.splits))
+        f32 = {"dtype": torch.float32, "device": self.device}
+        self._mid_out = torch.empty(most * num_q_heads * head_dim, **f32)
+        self._mid_lse = torch.empty(most * num_q_heads, **f32)
+        self._lse = torch.empty(max_batch * num_q_heads, **f32)
+
+    def views(self, batch: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(splits, mid_out [batch, q_heads, splits, dim], mid_lse [batch, q_heads, splits],
+        lse [batch, q_heads]) for a batch of ``batch`` requests."""
+        splits, heads = self.splits[batch], self.num_q_heads
+        mid_out = self._mid_out[: batch * heads * splits * self.head_dim]
+        mid_lse = self._mid_lse[: batch * heads * splits]
+        return (
+            splits,
+            mid_out.view(batch, heads, splits, self.head_dim),
+            mid_lse.view(batch, heads, splits),
+            self._lse[: batch * heads].view(batch, heads),
+        )
+
+
 def split_kv_decode(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -209,57 +265,76 @@ def split_kv_decode(
     selected: torch.Tensor | None = None,
     num_selected: torch.Tensor | None = None,
     selected_span: int = 1,
+    selected_rows: torch.Tensor | None = None,
     logits: torch.Tensor | None = None,
-    num_kv_splits: int = 8,
+    num_kv_splits: int | None = None,
+    workspace: SplitKVWorkspace | None = None,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of q [batch, q_heads, dim] over each request's cache.
 
     Returns (out [batch, q_heads, dim] in q's dtype, lse [batch, q_heads] fp32). With `selected`
-    ([batch, max_selected] int32) and `num_selected` ([batch] int32), request b attends only to the
-    logical positions selected[b, j] * selected_span + r (j < num_selected[b], r < selected_span,
-    position < seq_len). With `logits` ([batch, q_heads, logits_len] fp32), the scaled q·k of every
-    attended position below logits_len is stored there; other entries are left untouched.
+    ([rows, max_selected] int32) and `num_selected` ([batch] int32), request b attends only to the
+    logical positions selected[r, j] * selected_span + s (j < num_selected[b], s < selected_span,
+    position < seq_len), where r = selected_rows[b] (int64 [batch]) or, without it, b. With `logits`
+    ([batch, q_heads, logits_len] fp32), the scaled q·k of every attended position below logits_len
+    is stored there; other entries are left untouched. `num_kv_splits` defaults to
+    num_kv_splits_for's choice (the workspace's, with one); a `workspace` supplies the scratch.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     assert num_q_heads % num_kv_heads == 0 and v_buffer.shape[-1] == head_dim == k_buffer.shape[-1]
     group = num_q_heads // num_kv_heads
-    mid_out = torch.empty(
-        batch, num_q_heads, num_kv_splits, head_dim, dtype=torch.float32, device=q.device
-    )
-    mid_lse = torch.empty(batch, num_q_heads, num_kv_splits, dtype=torch.float32, device=q.device)
-    lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q) if out is None else out
     sparse = selected is not None
+    if workspace is not None:
+        assert num_kv_splits is None, "the workspace fixes the split count"
+        num_kv_splits, mid_out, mid_lse, lse = workspace.views(batch)
+    else:
+        if num_kv_splits is None:
+            most = selected.shape[1] * selected_span if sparse else req_to_token.shape[1]
+            num_kv_splits = num_kv_splits_for(batch, num_kv_heads, most, q.device)
+        f32 = {"dtype": torch.float32, "device": q.device}
+        mid_out = torch.empty(batch, num_q_heads, num_kv_splits, head_dim, **f32)
+        mid_lse = torch.empty(batch, num_q_heads, num_kv_splits, **f32)
+        lse = torch.empty(batch, num_q_heads, **f32)
+    out = torch.empty_like(q) if out is None else out
     selected_arg = selected if sparse else seq_lens  # unread placeholders keep the signature fixed
+    rows_arg = selected_rows if selected_rows is not None else seq_lens
     logits_arg = logits if logits is not None else mid_lse
 
     block_d = triton.next_power_of_2(head_dim)
     _stage1[(batch, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
-        selected_arg, num_selected if sparse else seq_lens, mid_out, mid_lse, logits_arg,
+        selected_arg, rows_arg, num_selected if sparse else seq_lens, mid_out, mid_lse, logits_arg,
         sm_scale,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0), selected_arg.stride(0),
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
-        logits_arg.stride(0), logits_arg.stride(1), logits_arg.shape[-1],
+        logits_arg.stride(0), logits_arg.stride(1), logits_arg.shape[-1], num_kv_splits,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=_BLOCK_N, NUM_SPLITS=num_kv_splits, SELECTED_SPAN=selected_span if sparse else 0,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=_BLOCK_N,
+        SELECTED_SPAN=selected_span if sparse else 0, INDIRECT_ROWS=selected_rows is not None,
         STORE_LOGITS=logits is not None, DOT_IN_FP32=_DOT_IN_FP32,
         num_warps=4, num_stages=2,
     )  # fmt: skip
+    merge_splits(mid_out, mid_lse, out, lse)
+    return out, lse
+
+
+def merge_splits(mid_out, mid_lse, out, lse) -> None:
+    """Stage 2: out [batch, heads, dim] and lse [batch, heads] from the splits' partial outputs
+    mid_out [batch, heads, splits, dim] and LSEs mid_lse [batch, heads, splits]."""
+    batch, num_q_heads, num_splits, head_dim = mid_out.shape
+    block_s = triton.next_power_of_2(num_splits)
     _stage2[(batch, num_q_heads)](
         mid_out, mid_lse, out, lse,
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1), num_q_heads,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_kv_splits,
-        BLOCK_S=triton.next_power_of_2(num_kv_splits), num_warps=4,
+        out.stride(0), out.stride(1), num_q_heads, num_splits,
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_S=block_s,
+        num_warps=8 if block_s >= 64 else 4,
     )  # fmt: skip
-    return out, lse
 
 
 def attend_positions_ref(

@@ -8,6 +8,8 @@ import typing
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import torch
+
 
 class PolicyConfigError(ValueError):
     """A policy name or parameter is invalid. ``field`` names the offending key."""
@@ -50,6 +52,22 @@ class DecodeContext:
     # Run once per decode step before its layers (PolicyRuntime.prepare_decode), each
     # f(forward_batch): decode functions add theirs when built. Recorded into CUDA graphs.
     decode_step_setups: list = dataclasses.field(default_factory=list)
+    # This rank's query heads and the head size: decode scratch is sized from them at start-up
+    num_q_heads: int | None = None
+    head_dim: int | None = None
+
+    def split_workspace(self, max_tokens: int):
+        """Scratch of the split-KV kernel (kernels.split_kv_decode) for requests attending to up
+        to ``max_tokens`` tokens, sized for the largest batch; None off CUDA (the torch
+        references need none) or when the heads are unknown (the kernel then allocates)."""
+        if torch.device(self.device).type != "cuda" or self.num_q_heads is None:
+            return None
+        from sglang_ext.kernels.split_kv_decode import SplitKVWorkspace
+
+        kv_heads = self.kv_pool.get_key_buffer(0).shape[1]
+        return SplitKVWorkspace(
+            self.max_batch_size, self.num_q_heads, kv_heads, self.head_dim, max_tokens, self.device
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ the top ``budget_pages - recent_pages`` others by score; every other layer after
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from sglang_ext.kernels.page_select import select_pages
@@ -40,7 +41,7 @@ class DeltaPolicy(SelectionPolicy):
         return [0, 1], [2, *scaled_layers(PAPER_DELTA_LAYERS[1:], PAPER_DEPTH, num_layers)]
 
     def selection(self, ctx: DecodeContext) -> Selection:
-        attend_and_score = _selection_attention(ctx.device)
+        attend_and_score = _selection_attention(ctx)
 
         def choose(token_scores, page_scores, seq_lens, row_budget=None):
             if page_scores is None:
@@ -61,13 +62,14 @@ def page_sums(token_scores: torch.Tensor) -> torch.Tensor:
     return page_scores_ref(token_scores, PAGE_SIZE)
 
 
-def _selection_attention(device):
+def _selection_attention(ctx: DecodeContext):
     """Triton on CUDA, the torch reference elsewhere (the Triton interpreter is far too slow to
     serve with)."""
     from sglang_ext.kernels import selection_attention as sa
 
-    if torch.device(device).type == "cuda":
-        return sa.delta_selection_attention
+    if torch.device(ctx.device).type == "cuda":
+        workspace = ctx.split_workspace(ctx.req_to_token.shape[1])
+        return functools.partial(sa.delta_selection_attention, workspace=workspace)
 
     def reference(*cache, sm_scale):
         out, token_scores = sa.selection_attention_ref(*cache, sm_scale=sm_scale)

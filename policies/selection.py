@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import logging
 from collections.abc import Callable
 from typing import ClassVar
@@ -185,6 +186,7 @@ class SelectionDecoder:
         )
         self.num_selected = torch.zeros(ctx.max_batch_size, dtype=torch.int32, device=ctx.device)
         self.row_budget = None  # each request's own budget, gathered once per step
+        self._attend_selected = _selected_attention(ctx, selection)
         if ctx.request_values is not None:
             self.row_budget = torch.zeros(ctx.max_batch_size, device=ctx.device)
             ctx.decode_step_setups.append(self._gather_row_budgets)
@@ -215,8 +217,6 @@ class SelectionDecoder:
         torch.index_select(budgets, 0, rows, out=self.row_budget[: rows.shape[0]])
 
     def sparse_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        from sglang_ext.kernels import sparse_decode as sd
-
         q, cache = self._begin(q, k, v, layer, forward_batch, save_kv_cache)
         batch = q.shape[0]
         if self.ctx.art is not None:  # the selection is importance-ordered: ART reads it so
@@ -226,8 +226,7 @@ class SelectionDecoder:
                 always_read=self.rule.num_recent * self.rule.page_size,
             )  # fmt: skip
             return out.view(batch, -1)
-        attend = sd.sparse_decode_attention if q.is_cuda else sd.sparse_decode_attention_ref
-        out = attend(
+        out = self._attend_selected(
             *cache,
             self.selected[:batch],
             self.num_selected[:batch],
@@ -269,3 +268,14 @@ class SelectionDecoder:
             "sglang_ext: %s layer %d first selected fewer %s than a request has: %s of %s",
             self.policy_name, layer_id, self.rule.unit, num_selected.tolist(), available.tolist(),
         )  # fmt: skip
+
+
+def _selected_attention(ctx: DecodeContext, selection: Selection) -> Callable:
+    """A sparse layer's attention: the kernel with its scratch owned up front on CUDA, the torch
+    reference elsewhere."""
+    from sglang_ext.kernels import sparse_decode as sd
+
+    if torch.device(ctx.device).type != "cuda":
+        return sd.sparse_decode_attention_ref
+    workspace = ctx.split_workspace(selection.budget * selection.page_size)
+    return functools.partial(sd.sparse_decode_attention, workspace=workspace)

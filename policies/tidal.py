@@ -49,7 +49,7 @@ class TidalPolicy(SelectionPolicy):
         return [0, 1], sorted({2, *reselect})
 
     def selection(self, ctx: DecodeContext) -> Selection:
-        attend_and_score = _selection_attention(ctx.device)
+        attend_and_score = _selection_attention(ctx)
 
         def choose(token_scores, page_scores, seq_lens, row_budget=None):
             return select_tokens(
@@ -62,13 +62,15 @@ class TidalPolicy(SelectionPolicy):
         )
 
 
-def _selection_attention(device):
+def _selection_attention(ctx: DecodeContext):
     from sglang_ext.kernels import selection_attention as sa
 
-    if torch.device(device).type == "cuda":
+    if torch.device(ctx.device).type == "cuda":
+        workspace = ctx.split_workspace(ctx.req_to_token.shape[1])
 
         def triton(*cache, sm_scale):
-            return (*sa.tidal_selection_attention(*cache, sm_scale=sm_scale), None)
+            out, scores = sa.tidal_selection_attention(*cache, sm_scale=sm_scale, workspace=workspace)
+            return out, scores, None
 
         return triton
 

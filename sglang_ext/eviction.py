@@ -71,7 +71,11 @@ class LetheRuntime(PolicyRuntime):
         self._layers = torch.arange(ctx.num_layers, device=ctx.device)[:, None]
         self._arange = torch.arange(cap, dtype=torch.int32, device=ctx.device)
         self._zero_score = torch.zeros((), dtype=torch.float32, device=ctx.device)
-        self._logits = None  # CUDA scratch [max batch, q heads, cap], made on first decode
+        self._logits, self._workspace = None, None  # the kernel's scratch (CUDA only)
+        if ctx.device.type == "cuda" and ctx.num_q_heads is not None:
+            logits_shape = (ctx.max_batch_size, ctx.num_q_heads, cap)
+            self._logits = torch.empty(logits_shape, dtype=torch.float32, device=ctx.device)
+            self._workspace = ctx.split_workspace(cap)
         self._extending = _Extending([], [])
         super().__init__(policy, ctx)
         self.decode_fns = [self._decode] * ctx.num_layers
@@ -170,18 +174,12 @@ class LetheRuntime(PolicyRuntime):
         )  # fmt: skip
         if q.is_cuda:
             out = rasr.retained_decode(
-                *args, layer.scaling, self.policy.decay, self._logits_buffer(q),
-                state_rows=self.state_rows[: q.shape[0]],
+                *args, layer.scaling, self.policy.decay, self._logits,
+                state_rows=self.state_rows[: q.shape[0]], workspace=self._workspace,
             )  # fmt: skip
         else:
             out = rasr.retained_decode_ref(*args, layer.scaling, self.policy.decay)
         return out.view(q.shape[0], -1)
-
-    def _logits_buffer(self, q: torch.Tensor) -> torch.Tensor:
-        if self._logits is None:
-            shape = (self.ctx.max_batch_size, q.shape[1], self.positions.shape[2])
-            self._logits = torch.empty(shape, dtype=torch.float32, device=q.device)
-        return self._logits
 
     def reset_rows(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """A prefill: each row retains every position it holds, with zero scores."""

@@ -113,3 +113,37 @@ def test_delta_step_replays_in_a_cuda_graph():
     batch["q"].normal_()
     graph.replay()
     torch.testing.assert_close(graph_out, step(), atol=0, rtol=0)
+
+
+def test_split_count_fills_the_gpu_without_splits_narrower_than_a_block():
+    from sglang_ext.kernels.split_kv_decode import MAX_KV_SPLITS, num_kv_splits_for
+
+    counts = {}  # off CUDA the rule assumes 4 SMs, so 16 programs fill it
+    for batch in (1, 2, 8, 32, 64, 512):
+        splits = num_kv_splits_for(batch, 2, 32768, "cpu")
+        assert splits & (splits - 1) == 0 and 1 <= splits <= MAX_KV_SPLITS
+        counts[batch] = splits
+    # a small batch gets many splits, a large one few; never more than the tokens' blocks
+    assert counts[1] > counts[64] >= counts[512] == 1
+    assert counts[1] == 8  # 8 splits x 2 KV heads = 16 programs
+    assert num_kv_splits_for(1, 2, 64, "cpu") == 2  # 64 tokens: two blocks of 32
+
+
+def test_workspace_and_indirect_rows_give_the_allocating_kernel_result():
+    from sglang_ext.kernels.split_kv_decode import SplitKVWorkspace, split_kv_decode
+
+    batch, sm_scale = make_batch(torch.bfloat16)
+    n = len(SEQ_LENS)
+    lists, _ = selection([[4, 0], [36, 3, 20, 7, 8], list(range(69, 19, -1))], width=50)
+    # the lists in rows 3, 0, 1 of a larger table, picked by selected_rows
+    table = torch.zeros((5, 50), dtype=torch.int32, device=DEVICE)
+    rows = torch.tensor([3, 0, 1], device=DEVICE)
+    table[rows] = lists
+    count = torch.tensor([2, 5, 50], dtype=torch.int32, device=DEVICE)
+    common = dict(batch, sm_scale=sm_scale, num_selected=count)
+    expected, expected_lse = split_kv_decode(**common, selected=lists, num_kv_splits=4)
+    workspace = SplitKVWorkspace(8, 6, 2, 64, max_tokens=50, device=DEVICE)
+    assert workspace.views(n)[0] == 2  # 50 tokens are two blocks: no more splits than that
+    out, lse = split_kv_decode(**common, selected=table, selected_rows=rows, workspace=workspace)
+    torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, expected_lse, atol=1e-4, rtol=1e-4)

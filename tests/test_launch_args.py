@@ -36,9 +36,9 @@ def test_user_flags_win_in_both_spellings(cpu_host):
     assert "--max-total-tokens" not in argv
 
 
-def test_cuda_host_defaults_to_the_triton_backend_and_no_cpu_flags(cuda_host):
+def test_cuda_host_defaults_to_the_flashinfer_backend_and_no_cpu_flags(cuda_host):
     argv = launch.sglang_argv(["--model-path", "m"])
-    assert _value(argv, "--attention-backend") == "triton"
+    assert _value(argv, "--attention-backend") == "flashinfer"
     assert "--device" not in argv and "--disable-cuda-graph" not in argv
 
 
@@ -58,6 +58,8 @@ def _refused(argv, policy="full"):
 def test_decode_backend_override_is_checked(cpu_host):
     launch._check_engine_flags(launch.build_parser(), ["--attention-backend", "torch_native"], build_policy("full"))
     assert _refused(["--attention-backend", "torch_native", "--decode-attention-backend", "flex_attention"]) == 2
+    for wrapped in ("flashinfer", "triton"):
+        launch._check_engine_flags(launch.build_parser(), ["--attention-backend", wrapped], build_policy("delta"))
 
 
 def test_flags_under_which_a_policy_would_not_run_exit_2_naming_the_flag(capsys):

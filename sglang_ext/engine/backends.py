@@ -1,9 +1,9 @@
 """Attention backends that hand each layer's decode to the served policy's runtime.
 
-They subclass SGLang's own backends (triton on CUDA, torch_native on CPU) and are registered under
-the same names (SGLang's ``register_attention_backend``), because SGLang branches on the backend's
-name in many places (CUDA graphs, which index kernels run on CPU); a new name would silently
-change those decisions. They are registered only when a policy is served.
+They subclass SGLang's own backends (flashinfer, the default, and triton on CUDA; torch_native on
+CPU) and are registered under the same names (SGLang's ``register_attention_backend``), because
+SGLang branches on the backend's name in many places (CUDA graphs, which index kernels run on
+CPU); a new name would silently change those decisions. They are registered only when a policy is served.
 
 Per batch the backend runs SGLang's own metadata setup, then the runtime's ``prepare_decode``:
 eagerly, or inside the CUDA graph (``init_forward_metadata_in_graph``, recorded at capture).
@@ -44,14 +44,14 @@ class PolicyDispatchMixin:
     K/V (``write_decode_kv``), for policy layers that attend with their own kernels.
     """
 
-    def __init__(self, model_runner, policy: KVPolicy):
+    def __init__(self, model_runner, policy: KVPolicy, **base_kwargs):
         window = getattr(model_runner, "sliding_window_size", None)
         if window is not None and window > 0:
             raise EngineAdapterError(
                 f"--model-path: {model_runner.model_config.model_path} uses sliding-window "
                 f"attention (window {window}); sglang_ext policies attend over the whole cache"
             )
-        super().__init__(model_runner)
+        super().__init__(model_runner, **base_kwargs)
         model_config = model_runner.model_config
         device = torch.device(model_runner.device)
         req_to_token = self.req_to_token_pool.req_to_token
@@ -76,6 +76,8 @@ class PolicyDispatchMixin:
             request_values=self.request_values,
             art_tile_counts=self.art_tile_counts,
             hole_slot=HOLE_SLOT,
+            num_q_heads=model_config.num_attention_heads // _attention_tp_size(),
+            head_dim=model_config.head_dim,
         )
         self.kv_policy = policy.for_model(context)
         self.policy_runtime = self.kv_policy.runtime(context)
@@ -103,6 +105,12 @@ class PolicyDispatchMixin:
 
     def write_decode_kv(self, layer, forward_batch, k, v) -> None:
         raise NotImplementedError
+
+
+def _attention_tp_size() -> int:
+    from sglang.srt.distributed.parallel_state import get_attn_tp_group
+
+    return get_attn_tp_group().world_size
 
 
 def _max_across_attention_ranks() -> Callable | None:
@@ -140,6 +148,29 @@ def _triton_backend() -> type:
 
 
 @functools.cache
+def _flashinfer_backend() -> type:
+    from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    class PolicyFlashInferAttnBackend(PolicyDispatchMixin, FlashInferAttnBackend):
+        def __init__(self, model_runner, policy: KVPolicy):
+            if model_runner.use_mla_backend:
+                raise EngineAdapterError(
+                    "--attention-backend flashinfer: sglang_ext policies do not decode MLA models"
+                )
+            # as SGLang's create_flashinfer_backend does for a non-MLA model
+            workspace = {"init_new_workspace": model_runner.init_new_workspace}
+            super().__init__(model_runner, policy, **workspace)
+
+        def write_decode_kv(self, layer, forward_batch, k, v) -> None:
+            # as FlashInferAttnBackend.forward_decode does
+            loc = KVWriteLoc(forward_batch.out_cache_loc, self.forward_metadata.swa_out_cache_loc)
+            self.token_to_kv_pool.set_kv_buffer(layer, loc, k, v, *self._kv_write_scales(layer))
+
+    return PolicyFlashInferAttnBackend
+
+
+@functools.cache
 def _torch_native_backend() -> type:
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
@@ -155,6 +186,7 @@ def _torch_native_backend() -> type:
 
 # SGLang backend name -> our subclass of it (imported lazily: the triton module is heavy).
 POLICY_BASES: dict[str, Callable[[], type]] = {
+    "flashinfer": _flashinfer_backend,
     "triton": _triton_backend,
     "torch_native": _torch_native_backend,
 }
