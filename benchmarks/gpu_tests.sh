@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The GPU test tier, in one call on a GPU host from the repo root (after .gpu/part1, part2, ext and
+# smolA/smolB are installed): the kernels and policies against their torch references on CUDA,
+# then the engine on CUDA with SmolLM2's real weights (tests/test_engine_gpu.py).
+#   PYTHONPATH=/tmp/site:/tmp/ext bash benchmarks/gpu_tests.sh
+# JUnit XML goes to ${OUT:-/tmp}/gpu-tests.xml.
+set -euo pipefail
+source benchmarks/gpu_smol_model.sh
+# the installed sglang_ext (its plugin entry point) wins over the checkout; tests/ from the checkout
+"${PYTHON:-python3}" -m pytest -q -ra -p no:cacheprovider --junitxml "${OUT:-/tmp}/gpu-tests.xml" \
+  tests/test_kernels_*.py tests/test_policy_*.py tests/test_lethe_runtime.py tests/test_engine_gpu.py
