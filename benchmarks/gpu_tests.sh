@@ -3,9 +3,17 @@
 # smolA/smolB are installed): the kernels and policies against their torch references on CUDA,
 # then the engine on CUDA with SmolLM2's real weights (tests/test_engine_gpu.py).
 #   PYTHONPATH=/tmp/site:/tmp/ext bash benchmarks/gpu_tests.sh
-# JUnit XML goes to ${OUT:-/tmp}/gpu-tests.xml.
+#   bash benchmarks/gpu_tests.sh kernels|engine   (one half per call: each stays under a call's limit)
+# JUnit XML goes to ${OUT:-/tmp}/gpu-tests[-PART].xml.
 set -euo pipefail
 source benchmarks/gpu_smol_model.sh
 # the installed sglang_ext (its plugin entry point) wins over the checkout; tests/ from the checkout
-"${PYTHON:-python3}" -m pytest -q -ra -p no:cacheprovider --junitxml "${OUT:-/tmp}/gpu-tests.xml" \
-  tests/test_kernels_*.py tests/test_policy_*.py tests/test_lethe_runtime.py tests/test_engine_gpu.py
+kernels=(tests/test_kernels_*.py tests/test_policy_*.py tests/test_lethe_runtime.py)
+case "${1:-all}" in
+  kernels) tests=("${kernels[@]}") ;;
+  engine) tests=(tests/test_engine_gpu.py) ;;
+  all) tests=("${kernels[@]}" tests/test_engine_gpu.py) ;;
+  *) echo "usage: $0 [kernels|engine|all]" >&2; exit 2 ;;
+esac
+"${PYTHON:-python3}" -m pytest -q -ra -p no:cacheprovider \
+  --junitxml "${OUT:-/tmp}/gpu-tests${1:+-$1}.xml" "${tests[@]}"
