@@ -4,7 +4,7 @@
 # then the engine on CUDA with SmolLM2's real weights (tests/test_engine_gpu.py).
 #   PYTHONPATH=/tmp/site:/tmp/ext bash benchmarks/gpu_tests.sh
 #   bash benchmarks/gpu_tests.sh kernels|engine   (one half per call: each stays under a call's limit)
-# JUnit XML goes to ${OUT:-/tmp}/gpu-tests[-PART].xml.
+# JUnit XML goes to ${OUT:-/tmp}/gpu-tests[-PART].xml, the servers' logs under ${OUT:-/tmp}/pytest[-PART].
 set -euo pipefail
 source benchmarks/gpu_smol_model.sh
 # the installed sglang_ext (its plugin entry point) wins over the checkout; tests/ from the checkout
@@ -15,5 +15,5 @@ case "${1:-all}" in
   all) tests=("${kernels[@]}" tests/test_engine_gpu.py) ;;
   *) echo "usage: $0 [kernels|engine|all]" >&2; exit 2 ;;
 esac
-"${PYTHON:-python3}" -m pytest -q -ra -p no:cacheprovider \
+"${PYTHON:-python3}" -m pytest -q -ra -p no:cacheprovider --basetemp "${OUT:-/tmp}/pytest${1:+-$1}" \
   --junitxml "${OUT:-/tmp}/gpu-tests${1:+-$1}.xml" "${tests[@]}"
