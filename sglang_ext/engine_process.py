@@ -101,6 +101,17 @@ class EngineServer:
             time.sleep(1)
         raise TimeoutError(f"server not ready after {timeout_s}s:\n{log_tail(self.log_path)}")
 
+    def wait_for_log(self, marker: str, timeout_s: float = 300) -> EngineServer:
+        """Until the server's log shows ``marker``; a server that exits first raises with its log."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if marker in self.log():
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{log_tail(self.log_path)}")
+            time.sleep(0.5)
+        raise TimeoutError(f"no {marker!r} after {timeout_s}s:\n{log_tail(self.log_path)}")
+
     def wait_idle(self, timeout: float = 120) -> None:
         """Until the scheduler has no running or queued request (its idle memory check then runs)."""
         deadline = time.monotonic() + timeout

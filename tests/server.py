@@ -23,9 +23,11 @@ class ServerProcess(EngineServer):
 
 
 @contextlib.contextmanager
-def policy_servers(model_path, env: dict, log_dir: Path, configs: dict):
+def policy_servers(model_path, env: dict, log_dir: Path, configs: dict, start_after: str | None = None):
     """One ``sglang_ext.launch`` server per entry of ``configs``, name -> (policy, its config or
-    None, further flags), all booting at once; name -> ServerProcess, stopped on exit."""
+    None, further flags), all booting at once; name -> ServerProcess, stopped on exit. With
+    ``start_after`` (a log line), each starts once the one before has logged it: servers sharing a
+    GPU each size their KV pool from the free memory they find, and must not measure each other's."""
     started = {}
     try:
         for name, (policy, config, flags) in configs.items():
@@ -35,6 +37,8 @@ def policy_servers(model_path, env: dict, log_dir: Path, configs: dict):
                 argv += ["--policy-config", json.dumps(config)]
             argv += ["--model-path", str(model_path), "--port", str(port), *flags]
             started[name] = ServerProcess(argv, env, log_dir / f"{name}.log", port).start()
+            if start_after is not None:
+                started[name].wait_for_log(start_after)
         for server in started.values():
             server.wait_ready()
         yield started
