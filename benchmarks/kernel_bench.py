@@ -5,7 +5,8 @@ triton decode kernel on the same inputs, and against the bandwidth floor.
 
 Per (batch, context), one layer's time (replayed from a CUDA graph, as the engine decodes) of: SGLang's decode kernel (the baseline, `vanilla`); our
 split-KV kernel over the whole cache (`full`); a selection layer (attention + scores + selection)
-of DELTA and of Tidal; a sparse layer of each. From them, the attention time of one decode step of
+of DELTA and of Tidal; a sparse layer of each; the selection step alone with torch's top-k and
+FlashInfer's (`rank_*_ms`). From them, the attention time of one decode step of
 the whole model under each policy (layer roles from the paper defaults for its depth). The floor of
 a kernel is the K/V bytes it must read over a measured device-to-device copy bandwidth.
 """
@@ -176,6 +177,7 @@ def measure_point(cfg, batch, context, args, bandwidth, info) -> list[Row]:
             + count[LayerRole.SELECT] * select_ms
             + count[LayerRole.SPARSE] * sparse_ms
         )
+    rows += rank_rows(inputs, args.budget_tokens, point, info)
     rows += [
         info.row(**point, policy="vanilla", metric="layer_floor_ratio",
                  value=per_layer["vanilla"] / full_floor_ms),
@@ -185,6 +187,23 @@ def measure_point(cfg, batch, context, args, bandwidth, info) -> list[Row]:
     rows += [
         info.row(**point, policy=p, metric="step_attention_ms", value=ms) for p, ms in step.items()
     ]
+    return rows
+
+
+def rank_rows(inputs, budget_tokens: int, point: dict, info) -> list[Row]:
+    """The selection step alone (scores to kept slots) with torch's top-k and FlashInfer's, over a
+    Tidal row (every token) and a DELTA row (every page): what ``fastest_top_ranked`` rests on."""
+    from sglang_ext.kernels import page_select as ps
+
+    rows = []
+    widths = {"tidal": (1, budget_tokens, 1), "delta": (PAGE, budget_tokens // PAGE, 8)}
+    for policy, (page, budget, recent) in widths.items():
+        scores = torch.rand(inputs.batch, -(-inputs.req_to_token.shape[1] // page), device="cuda")
+        for ranker, top_ranked in (("torch", ps.torch_top_ranked), ("flashinfer", ps.flashinfer_top_ranked)):
+            def select(top_ranked=top_ranked):
+                ps.select_pages(scores, inputs.seq_lens, budget, recent, page, top_ranked=top_ranked)
+
+            rows.append(info.row(**point, policy=policy, metric=f"rank_{ranker}_ms", value=time_ms(select)))
     return rows
 
 

@@ -8,8 +8,14 @@ shape, [batch, budget] int32 with the kept pages in ascending order then zeros, 
 so it can live inside a CUDA graph; short and long requests mix freely in one batch.
 """
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
+
+# (scores [batch, n], eligible [batch, n] bool, k) -> [batch, k] indices of the k best eligible
+# entries, best first, ties to the lower index; with fewer than k eligible, ineligible ones follow.
+TopRanked = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 def select_pages(
@@ -20,6 +26,7 @@ def select_pages(
     page_size: int = 16,
     by_importance: bool = False,
     row_budget: torch.Tensor | None = None,
+    top_ranked: TopRanked | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DELTA's choice of K = budget pages with a recency window of L = num_recent pages.
 
@@ -27,7 +34,8 @@ def select_pages(
     (selected [batch, budget] int32, num_selected [batch] int32). ``by_importance`` orders the
     kept pages for ART's traversal instead of ascending: the recent pages, latest first, then
     the others by score, highest first. ``row_budget`` ([batch], each in [num_recent, budget])
-    gives a request its own smaller K; the output keeps its width ``budget``.
+    gives a request its own smaller K; the output keeps its width ``budget``. ``top_ranked``
+    ranks the candidates (default: torch's topk, the oracle; see ``fastest_top_ranked``).
     """
     assert 0 <= num_recent <= budget, "the recency window must fit in the budget"
     max_pages = page_scores.shape[1]
@@ -36,7 +44,7 @@ def select_pages(
     candidate = page_ids < num_pages - num_recent  # exists and is not recent
     # A top-k, not a sort: the score rows span the server's whole context (Tidal's: every token).
     num_top = min(budget - num_recent, max_pages)
-    top = _rank_keys(page_scores, candidate).topk(num_top, dim=1).indices
+    top = (top_ranked or torch_top_ranked)(page_scores, candidate, num_top)
     kept_top = candidate.gather(1, top)
     if row_budget is not None:  # topk ranks best first: a row keeps its first K_row - L
         rank = torch.arange(num_top, device=page_scores.device)
@@ -58,6 +66,37 @@ def select_pages(
     return selected, valid.sum(dim=1, dtype=torch.int32)
 
 
+def torch_top_ranked(scores: torch.Tensor, eligible: torch.Tensor, k: int) -> torch.Tensor:
+    return _rank_keys(scores, eligible).topk(k, dim=1).indices
+
+
+def flashinfer_top_ranked(scores: torch.Tensor, eligible: torch.Tensor, k: int) -> torch.Tensor:
+    """FlashInfer's radix top-k (O(n) in the row), where torch's topk over int64 keys sorts: it
+    dominates a TidalDecode selection over every token of a long request. Its sorted, small-index
+    tie-break mode keeps the rule; graph-safe mode because decode replays it from a CUDA graph.
+    An eligible -inf becomes the lowest finite float so that it still ranks above the ineligible."""
+    import flashinfer
+
+    lowest = torch.finfo(torch.float32).min
+    masked = torch.where(eligible, scores.float().clamp_min(lowest), float("-inf"))
+    _, top = flashinfer.top_k(
+        masked, k, sorted=True, tie_break=flashinfer.topk.TopKTieBreak.SMALL, dsa_graph_safe=True
+    )
+    return top
+
+
+def fastest_top_ranked(device: torch.device | str) -> TopRanked:
+    """FlashInfer's top-k on CUDA where it is installed (measured: benchmarks.kernel_bench's
+    ``rank_ms`` rows), torch's elsewhere."""
+    if torch.device(device).type == "cuda":
+        try:
+            import flashinfer.topk  # noqa: F401
+        except ImportError:
+            return torch_top_ranked
+        return flashinfer_top_ranked
+    return torch_top_ranked
+
+
 def _rank_keys(scores: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
     """int64 keys ordered as (score, then lower index first); ineligible entries rank last.
 
@@ -77,10 +116,13 @@ def select_tokens(
     num_recent: int = 1,
     by_importance: bool = False,
     row_budget: torch.Tensor | None = None,
+    top_ranked: TopRanked | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """TidalDecode's top-`budget` tokens by score, always keeping the last `num_recent` tokens.
 
     By default that is the token being decoded, which TidalDecode's kernels attend to outside the
     top-k. Same output format as select_pages, for sparse_decode_attention with page_size=1.
     """
-    return select_pages(token_scores, seq_lens, budget, num_recent, 1, by_importance, row_budget)
+    return select_pages(
+        token_scores, seq_lens, budget, num_recent, 1, by_importance, row_budget, top_ranked
+    )

@@ -3,7 +3,13 @@
 import pytest
 import torch
 from kernel_cases import DEVICE
-from sglang_ext.kernels.page_select import select_pages, select_tokens
+from sglang_ext.kernels.page_select import (
+    fastest_top_ranked,
+    flashinfer_top_ranked,
+    select_pages,
+    select_tokens,
+    torch_top_ranked,
+)
 
 
 def expected_pages(scores, seq_len, budget, num_recent, page_size):
@@ -15,10 +21,10 @@ def expected_pages(scores, seq_len, budget, num_recent, page_size):
     return sorted(older[: budget - num_recent] + list(range(num_pages - num_recent, num_pages)))
 
 
-def check(scores, seq_lens, budget, num_recent, page_size=16):
+def check(scores, seq_lens, budget, num_recent, page_size=16, top_ranked=None):
     scores = torch.tensor(scores, dtype=torch.float32, device=DEVICE)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    selected, count = select_pages(scores, lens, budget, num_recent, page_size)
+    selected, count = select_pages(scores, lens, budget, num_recent, page_size, top_ranked=top_ranked)
     assert (
         selected.shape == (len(seq_lens), budget) and selected.dtype == count.dtype == torch.int32
     )
@@ -48,6 +54,28 @@ def test_signed_and_infinite_scores_rank_by_value():
         scores[0, 3] = float("-inf")
         scores[1, 5] = -0.0
         check(scores.tolist(), [640, 300, 45, 17], budget=7, num_recent=1)
+
+
+ON_FLASHINFER = fastest_top_ranked(DEVICE) is flashinfer_top_ranked
+
+
+@pytest.mark.skipif(not ON_FLASHINFER, reason="FlashInfer's top-k needs CUDA and flashinfer")
+def test_flashinfer_top_k_keeps_the_rule_ties_and_widths_included():
+    gen = torch.Generator().manual_seed(2)
+    seq_lens = [1, 17, 300, 640, 5000, 33000]  # a Tidal row: every token of a long request
+    for _ in range(5):
+        scores = torch.randint(-3, 3, (len(seq_lens), 33000), generator=gen).float() * 0.75
+        scores[2, 7] = float("-inf")
+        check(scores.tolist(), seq_lens, 1024, 1, 1, top_ranked=flashinfer_top_ranked)
+        check(scores[:, :2100].tolist(), seq_lens, 64, 8, 16, top_ranked=flashinfer_top_ranked)
+    # each request's own smaller budget keeps the first of the ranking
+    scores = torch.rand(3, 4000, device=DEVICE)
+    lens = torch.tensor([4000, 2500, 100], dtype=torch.int32, device=DEVICE)
+    own = torch.tensor([300, 1024, 50], device=DEVICE)
+    for by_importance in (False, True):
+        ours = select_pages(scores, lens, 1024, 1, 1, by_importance, own, flashinfer_top_ranked)
+        oracle = select_pages(scores, lens, 1024, 1, 1, by_importance, own, torch_top_ranked)
+        assert torch.equal(ours[0], oracle[0]) and torch.equal(ours[1], oracle[1])
 
 
 def test_ties_go_to_the_lower_page():
@@ -118,5 +146,6 @@ def test_selection_never_syncs_with_the_host():
         select_pages(scores, seq_lens, budget=8, num_recent=2)
         select_tokens(scores, seq_lens, budget=8)
         select_pages(scores, seq_lens, budget=8, num_recent=2, row_budget=seq_lens // 100 + 2)
+        select_tokens(scores, seq_lens, budget=8, top_ranked=fastest_top_ranked(DEVICE))
     finally:
         torch.cuda.set_sync_debug_mode("default")
