@@ -20,6 +20,7 @@ PROMPTS = [
     "def fibonacci(n):\n    ",
     "The three most important inventions of the twentieth century are",
 ]
+COVERING_PROMPTS = ["A short history of the printing press:", "List three prime numbers and explain"]
 # About 300 tokens: 19 pages, far more than the small budgets.
 LONG_PROMPT = " ".join(
     f"Fact {i}: the {color} box holds {i * 7} marbles."
@@ -100,18 +101,22 @@ def test_full_gives_vanilla_flashinfers_greedy_tokens(servers):
 def test_delta_with_a_covering_budget_follows_full(servers):
     # Its sparse layers attend to every token through our kernel, FlashInfer's full layers round
     # differently in bf16: logprobs agree closely, and tokens part only where full's top two tie.
+    # Each prompt alone and new to both servers: a batch's make-up or a cached prefix changes the
+    # prefill's bf16 rounding by as much (0.08 nats seen), which is not what this test is about.
     request = {"return_logprob": True, "top_logprobs_num": 2}
-    ours = generate(servers["delta"], PROMPTS, **request)
-    theirs = generate(servers["full"], PROMPTS, **request)
-    for o, t in zip(ours, theirs):
-        mine, full = o["meta_info"], t["meta_info"]
-        assert mine["kv_attended_tokens"][-1] == full["kv_attended_tokens"][-1]  # nothing left out
-        same = common_prefix(o["output_ids"], t["output_ids"])
-        gaps = [abs(a[0] - b[0]) for a, b in zip(mine["output_token_logprobs"], full["output_token_logprobs"])]
-        assert max(gaps[:same], default=0.0) < 0.1, (o["text"], t["text"])
-        if same < len(t["output_ids"]):
-            (first, _, _), (second, second_id, _) = full["output_top_logprobs"][same]
-            assert o["output_ids"][same] == second_id and first - second < 0.1, (o["text"], t["text"])
+    for text in COVERING_PROMPTS:
+        mine = generate(servers["delta"], text, **request)
+        full = generate(servers["full"], text, **request)
+        ours, theirs = mine["meta_info"], full["meta_info"]
+        assert ours["kv_attended_tokens"][-1] == theirs["kv_attended_tokens"][-1]  # none left out
+        same = common_prefix(mine["output_ids"], full["output_ids"])
+        logprobs = zip(ours["output_token_logprobs"], theirs["output_token_logprobs"])
+        gaps = [abs(a[0] - b[0]) for a, b in logprobs][:same]
+        assert same > 0 and gaps[0] < 1e-3  # the same prefill gives the same first token
+        assert max(gaps) < 0.1, (mine["text"], full["text"])
+        if same < len(full["output_ids"]):
+            (first, _, _), (second, second_id, _) = theirs["output_top_logprobs"][same]
+            assert mine["output_ids"][same] == second_id and first - second < 0.1
 
 
 @pytest.mark.parametrize("name", ["delta_small", "tidal_small"])
