@@ -4,6 +4,8 @@
 # then the engine on CUDA with SmolLM2's real weights (tests/test_engine_gpu.py).
 #   PYTHONPATH=/tmp/site:/tmp/ext bash benchmarks/gpu_tests.sh
 #   bash benchmarks/gpu_tests.sh kernels|engine   (one half per call: each stays under a call's limit)
+# On a fresh host run `kernels` first: it JIT-compiles FlashInfer's top-k once (about 2 min); the
+# engine half's six servers compiling it side by side on a cold host took longer than a call's 10 min.
 # JUnit XML goes to ${OUT:-/tmp}/gpu-tests[-PART].xml, the servers' logs under ${OUT:-/tmp}/pytest[-PART].
 set -euo pipefail
 source benchmarks/gpu_smol_model.sh
