@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .split_kv_decode import merge_splits
+from .split_kv_decode import SplitKVWorkspace, merge_splits
 
 TILE = 32
 _DOT_IN_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -245,6 +245,7 @@ def art_decode(
     num_order: torch.Tensor | None = None,
     order_span: int = 1,
     num_kv_splits: int = 8,
+    workspace: SplitKVWorkspace | None = None,
     out: torch.Tensor | None = None,
     tiles_read: torch.Tensor | None = None,
     tile_counts: torch.Tensor | None = None,
@@ -259,17 +260,25 @@ def art_decode(
     the tiles each program read). ``tile_counts`` (int64 [2]), when given, accumulates on the
     device [tiles read, tiles the order holds] over all programs: what metrics report.
     ``request_params`` (float32 [request slots, 3]), when given, holds each request's own
-    (tau, phi, patience) by its req_pool_indices entry, in place of the scalars."""
+    (tau, phi, patience) by its req_pool_indices entry, in place of the scalars. A ``workspace``
+    made with ``num_splits=num_kv_splits`` and a ``tiles_read`` buffer ([batch or more, kv_heads,
+    splits] int32) supply the scratch, so the call allocates nothing."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     group = num_q_heads // num_kv_heads
     dev = q.device
-    mid_out = torch.empty(batch, num_q_heads, num_kv_splits, head_dim, dtype=torch.float32, device=dev)
-    mid_lse = torch.empty(batch, num_q_heads, num_kv_splits, dtype=torch.float32, device=dev)
-    lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=dev)
+    if workspace is not None:
+        splits, mid_out, mid_lse, lse = workspace.views(batch)
+        assert splits == num_kv_splits, "the workspace is made for another split count"
+    else:
+        f32 = {"dtype": torch.float32, "device": dev}
+        mid_out = torch.empty(batch, num_q_heads, num_kv_splits, head_dim, **f32)
+        mid_lse = torch.empty(batch, num_q_heads, num_kv_splits, **f32)
+        lse = torch.empty(batch, num_q_heads, **f32)
     out = torch.empty_like(q) if out is None else out
     if tiles_read is None:
         tiles_read = torch.empty(batch, num_kv_heads, num_kv_splits, dtype=torch.int32, device=dev)
+    tiles_read = tiles_read[:batch]
     explicit = order is not None
     order_arg = order if explicit else seq_lens  # unread placeholders keep the signature fixed
     block_d = triton.next_power_of_2(head_dim)

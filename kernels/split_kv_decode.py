@@ -225,13 +225,17 @@ def num_kv_splits_for(batch: int, num_kv_heads: int, max_tokens: int, device) ->
 class SplitKVWorkspace:
     """split_kv_decode's scratch for one layer shape, owned up front: each split's partial output
     and LSE for batches up to ``max_batch`` at the split counts ``num_kv_splits_for`` picks, and
-    the merged LSE. A call takes views of it, so decode allocates nothing."""
+    the merged LSE. A call takes views of it, so decode allocates nothing. ``num_splits`` fixes
+    one split count for every batch (ART's kernel takes its count as a compile-time constant)."""
 
-    def __init__(self, max_batch, num_q_heads, num_kv_heads, head_dim, max_tokens, device):
+    def __init__(
+        self, max_batch, num_q_heads, num_kv_heads, head_dim, max_tokens, device, num_splits=None
+    ):
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.max_tokens, self.device = max_tokens, torch.device(device)
         self.splits = [0] + [
-            num_kv_splits_for(b, num_kv_heads, max_tokens, device) for b in range(1, max_batch + 1)
+            num_splits or num_kv_splits_for(b, num_kv_heads, max_tokens, device)
+            for b in range(1, max_batch + 1)
         ]
         most = max(b * splits for b, splits in enumerate(self.splits))
         f32 = {"dtype": torch.float32, "device": self.device}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
 from sglang_ext.policies.base import DecodeContext, DecodeFn, KVPolicy, PolicyConfigError
 from sglang_ext.policies.registry import register_policy
 
@@ -60,7 +61,18 @@ class Art(KVPolicy):
             "probe_stride": self.probe_stride, "num_kv_splits": self.num_kv_splits,
         }  # fmt: skip
 
-    def read(self, q, ctx: DecodeContext, layer, forward_batch, per_request=False, **order):
+    def scratch(self, ctx: DecodeContext) -> dict[str, Any]:
+        """The kernel's scratch for one decode path, owned up front (``read``'s ``scratch``):
+        its split-KV workspace and tile counts; none off CUDA, where the reference runs."""
+        workspace = ctx.split_workspace(0, num_splits=self.num_kv_splits)
+        if workspace is None:
+            return {}
+        kv_heads = ctx.kv_pool.get_key_buffer(0).shape[1]
+        shape = (ctx.max_batch_size, kv_heads, self.num_kv_splits)
+        tiles_read = torch.empty(shape, dtype=torch.int32, device=ctx.device)
+        return {"workspace": workspace, "tiles_read": tiles_read}
+
+    def read(self, q, ctx: DecodeContext, layer, forward_batch, per_request=False, scratch=None, **order):
         """ART's decode attention of q [batch, heads, dim] over the layer's cache (all of it
         recent-first, or ``order``/``num_order``/``order_span``/``always_read``); with
         ``per_request``, each request's own (tau, phi, patience) from ctx.request_values."""
@@ -72,17 +84,21 @@ class Art(KVPolicy):
         out, _ = attend(
             q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
             ctx.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
-            layer.scaling, **self.kernel_params(), **order, tile_counts=ctx.art_tile_counts,
+            layer.scaling, **self.kernel_params(), **order, **(scratch or {}),
+            tile_counts=ctx.art_tile_counts,
             request_params=ctx.request_values if per_request else None,
         )  # fmt: skip
         return out
 
     def full_decode(self, ctx: DecodeContext, per_request: bool = False) -> DecodeFn:
+        scratch = self.scratch(ctx)
+
         def decode(q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
             if save_kv_cache and k is not None and v is not None:
                 ctx.write_kv(layer, forward_batch, k, v)
             q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-            return self.read(q, ctx, layer, forward_batch, per_request).view(q.shape[0], -1)
+            out = self.read(q, ctx, layer, forward_batch, per_request, scratch)
+            return out.view(q.shape[0], -1)
 
         return decode
 

@@ -56,18 +56,20 @@ class DecodeContext:
     num_q_heads: int | None = None
     head_dim: int | None = None
 
-    def split_workspace(self, max_tokens: int):
+    def split_workspace(self, max_tokens: int, num_splits: int | None = None):
         """Scratch of the split-KV kernel (kernels.split_kv_decode) for requests attending to up
-        to ``max_tokens`` tokens, sized for the largest batch; None off CUDA (the torch
-        references need none) or when the heads are unknown (the kernel then allocates)."""
+        to ``max_tokens`` tokens (or ``num_splits`` splits at every batch size), sized for the
+        largest batch; None off CUDA (the torch references need none) or when the heads are
+        unknown (the kernel then allocates)."""
         if torch.device(self.device).type != "cuda" or self.num_q_heads is None:
             return None
         from sglang_ext.kernels.split_kv_decode import SplitKVWorkspace
 
         kv_heads = self.kv_pool.get_key_buffer(0).shape[1]
         return SplitKVWorkspace(
-            self.max_batch_size, self.num_q_heads, kv_heads, self.head_dim, max_tokens, self.device
-        )
+            self.max_batch_size, self.num_q_heads, kv_heads, self.head_dim, max_tokens,
+            self.device, num_splits,
+        )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

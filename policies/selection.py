@@ -187,6 +187,7 @@ class SelectionDecoder:
         self.num_selected = torch.zeros(ctx.max_batch_size, dtype=torch.int32, device=ctx.device)
         self.row_budget = None  # each request's own budget, gathered once per step
         self._attend_selected = _selected_attention(ctx, selection)
+        self._art_scratch = ctx.art.scratch(ctx) if ctx.art is not None else None
         if ctx.request_values is not None:
             self.row_budget = torch.zeros(ctx.max_batch_size, device=ctx.device)
             ctx.decode_step_setups.append(self._gather_row_budgets)
@@ -221,7 +222,8 @@ class SelectionDecoder:
         batch = q.shape[0]
         if self.ctx.art is not None:  # the selection is importance-ordered: ART reads it so
             out = self.ctx.art.read(
-                q, self.ctx, layer, forward_batch, order=self.selected[:batch],
+                q, self.ctx, layer, forward_batch, scratch=self._art_scratch,
+                order=self.selected[:batch],
                 num_order=self.num_selected[:batch], order_span=self.rule.page_size,
                 always_read=self.rule.num_recent * self.rule.page_size,
             )  # fmt: skip

@@ -156,3 +156,21 @@ def test_each_request_may_have_its_own_tau_phi_patience():
     assert tiles[1].tolist() == [[2] * SPLITS] * 2  # stopped after 1 + patience 1
     _, alone = art_decode(**batch, sm_scale=sm_scale, **ART, patience=3, always_read=4)
     assert torch.equal(tiles[2], alone[2].cpu())  # the table's default row: the scalars' result
+
+
+def test_a_workspace_and_tile_buffer_owned_up_front_give_the_allocating_result():
+    from sglang_ext.kernels.split_kv_decode import SplitKVWorkspace
+
+    batch, sm_scale = cache()
+    heavy_head_tile(batch)
+    q = batch["q"]
+    workspace = SplitKVWorkspace(8, q.shape[1], batch["k_buffer"].shape[1], q.shape[2],
+                                 max_tokens=0, device=DEVICE, num_splits=SPLITS)  # fmt: skip
+    tiles_read = torch.full((8, batch["k_buffer"].shape[1], SPLITS), -1, dtype=torch.int32, device=DEVICE)
+    params = {"patience": 3, "always_read": 4}
+    out, tiles = art_decode(**batch, sm_scale=sm_scale, **ART, **params, workspace=workspace, tiles_read=tiles_read)
+    alone, alone_tiles = art_decode(**batch, sm_scale=sm_scale, **ART, **params)
+    assert torch.equal(out, alone) and torch.equal(tiles, alone_tiles)
+    assert tiles.data_ptr() == tiles_read.data_ptr()  # written in place, not a new tensor
+    with pytest.raises(AssertionError, match="another split count"):
+        art_decode(**batch, sm_scale=sm_scale, **{**ART, "num_kv_splits": 2}, **params, workspace=workspace)
