@@ -101,11 +101,12 @@ def policy_rows(args: argparse.Namespace, info: RunInfo, policy: str, result: di
     }
     rows = []
     kv_source = "synthetic" if args.skip_prefill_compute else "real"
+    budget = harness.policy_budget(policy, args.policy_config)
     for batch in args.batch:
         for context in args.context:
             point = dict(
                 bench=BENCH, policy=policy, model_shape=args.shape, batch=batch, context=context,
-                attention_backend=result["backend_flag"], kv_source=kv_source,
+                attention_backend=result["backend_flag"], kv_source=kv_source, budget=budget,
             )  # fmt: skip
             latency = measured.get((batch, context))
             if latency is None:

@@ -2,8 +2,12 @@
 the same run: one server per policy (dummy weights, no tokenizer), N concurrent /generate
 requests of random input ids, each decoding exactly --output-len tokens.
 
-    python -m benchmarks.e2e --shape qwen1.5b --policies vanilla,full \
+    python -m benchmarks.e2e --shape qwen1.5b --policies vanilla@fa3,vanilla@flashinfer,full \
         --requests 64 --input-len 1024 --output-len 1024
+
+NAME@BACKEND runs a policy (or vanilla SGLang) on that attention backend; ratios are against the
+fastest vanilla backend of the run, and the greedy check compares a policy's tokens with vanilla's
+on its own backend (backends round differently). Rows name each policy's budget.
 
 KV tokens in use are sampled during the run from SGLang's /v1/loads (``num_used_tokens``: KV slots
 held by running requests, not the radix cache's evictable ones), which reads the load snapshot the
@@ -35,6 +39,7 @@ import requests
 
 from benchmarks import harness, plot
 from benchmarks.harness import EngineServer, Row, RunInfo
+from sglang_ext.launch import flag_value
 
 BENCH = "e2e"
 # Logged by sglang_ext.engine.backends when an engine process builds a policy backend.
@@ -69,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def server_argv(args: argparse.Namespace, policy: str, port: int) -> list[str]:
+    """The server of ``policy``: NAME or NAME@BACKEND (``vanilla@fa3``: SGLang on fa3)."""
+    name, backend = harness.split_policy(policy)
     flags = [
         "--model-path", str(harness.shape_path(args.shape)),
         "--load-format", "dummy",
@@ -76,12 +83,12 @@ def server_argv(args: argparse.Namespace, policy: str, port: int) -> list[str]:
         "--host", "127.0.0.1",
         "--port", str(port),
         "--load-snapshot-publish-interval", str(args.kv_publish_steps),
-        *harness.engine_flags(args.max_total_tokens, args.tp, args.context_length),
+        *harness.engine_flags(args.max_total_tokens, args.tp, args.context_length, backend),
     ]  # fmt: skip
-    if policy == harness.VANILLA:
+    if name == harness.VANILLA:
         return [sys.executable, "-m", "sglang.launch_server", *flags]
     config = ["--policy-config", args.policy_config] if args.policy_config else []
-    return [sys.executable, "-m", "sglang_ext.launch", "--policy", policy, *config, *flags]
+    return [sys.executable, "-m", "sglang_ext.launch", "--policy", name, *config, *flags]
 
 
 # Greedy tokens are compared one request at a time: in a concurrent batch, GEMM shapes (and so
@@ -184,18 +191,19 @@ def measure(
     return tokens / elapsed, sampler
 
 
-def greedy_match_rows(info: RunInfo, args, greedy: dict[str, list[list[int]]]) -> list[Row]:
-    """Fraction of the greedy check's requests whose tokens equal vanilla's exactly."""
-    reference = greedy.get(harness.VANILLA)
-    if reference is None:
-        return []
+def greedy_match_rows(info: RunInfo, args, runs: list[PolicyRun]) -> list[Row]:
+    """Fraction of the greedy check's requests whose tokens equal those of vanilla on the same
+    attention backend exactly (backends round differently, so only that comparison is exact)."""
+    vanilla = {r.attention_backend: r.greedy for r in runs if harness.is_vanilla(r.policy)}
     return [
         info.row(
-            bench=BENCH, policy=policy, model_shape=args.shape, batch=1, context=args.input_len,
+            bench=BENCH, policy=run.policy, model_shape=args.shape, batch=1, context=args.input_len,
             metric=f"greedy_{GREEDY_CHECK_TOKENS}_tokens_identical_frac",
-            value=sum(a == b for a, b in zip(outputs, reference)) / len(reference),
+            value=sum(a == b for a, b in zip(run.greedy, reference)) / len(reference),
+            attention_backend=run.attention_backend, kv_source="real",
         )
-        for policy, outputs in greedy.items()
+        for run in runs
+        if (reference := vanilla.get(run.attention_backend))
     ]  # fmt: skip
 
 
@@ -211,6 +219,8 @@ class PolicyRun:
     retracted: int
     samples: list[KvSample]
     greedy: list[list[int]]
+    attention_backend: str = ""  # SGLang's --attention-backend of its server
+    budget: str = ""  # the policy's KV budget (KVPolicy.budget)
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(dataclasses.asdict(self)) + "\n")
@@ -241,6 +251,7 @@ class PolicyRun:
                 bench=BENCH, policy=self.policy, model_shape=args.shape, batch=args.requests,
                 context=args.input_len, metric=name, value=value, device=self.device,
                 sglang_version=self.sglang_version, date=self.date,
+                attention_backend=self.attention_backend, kv_source="real", budget=self.budget,
             )
             for name, value in metrics.items()
         ]  # fmt: skip
@@ -250,11 +261,10 @@ def measure_policy(args, policy: str, prompts: list[list[int]], info: RunInfo) -
     port = harness.free_port()
     log_path = (args.log_dir or args.out_dir) / f"{BENCH}-{args.shape}-{policy}.log"
     print(f"{BENCH}: {policy} on {args.shape} ({info.device}), log {log_path}", flush=True)
-    with EngineServer(
-        server_argv(args, policy, port), harness.engine_env(), log_path, port
-    ) as server:
+    argv = server_argv(args, policy, port)
+    with EngineServer(argv, harness.engine_env(), log_path, port) as server:
         server.wait_ready()
-        if policy != harness.VANILLA and not POLICY_ACTIVE_LOG in server.log():
+        if not harness.is_vanilla(policy) and not POLICY_ACTIVE_LOG in server.log():
             raise RuntimeError(f"{policy}: the server did not load the policy; log {log_path}")
         tok_s, sampler = measure(server.url, prompts, args.output_len, args.sample_interval)
         retracted = sum(int(n) for n in RETRACTED_LOG.findall(server.log()))
@@ -266,6 +276,8 @@ def measure_policy(args, policy: str, prompts: list[list[int]], info: RunInfo) -
     return PolicyRun(
         policy=policy, device=info.device, sglang_version=info.sglang_version, date=info.date,
         output_tok_s=tok_s, retracted=retracted, samples=sampler.samples, greedy=greedy,
+        attention_backend=flag_value(argv, "--attention-backend", ""),
+        budget=harness.policy_budget(policy, args.policy_config),
     )  # fmt: skip
 
 
@@ -278,12 +290,12 @@ def saved_runs(args) -> list[PolicyRun]:
     """Every policy saved under --partial-dir for this run's shape and sizes, vanilla first."""
     paths = sorted(args.partial_dir.glob(partial_path(args, "*").name))
     runs = [PolicyRun.load(path) for path in paths]
-    return sorted(runs, key=lambda run: run.policy != harness.VANILLA)
+    return sorted(runs, key=lambda run: not harness.is_vanilla(run.policy))
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    if any(policy != harness.VANILLA for policy in args.policies):
+    if not all(harness.is_vanilla(policy) for policy in args.policies):
         harness.require_plugin_entry_point()
     vocab = harness.shape_config(args.shape)["vocab_size"]
     rng = random.Random(args.seed)
@@ -299,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.partial_dir:
         runs = saved_runs(args)
     rows = [row for run in runs for row in run.rows(args)]
-    rows += greedy_match_rows(info, args, {run.policy: run.greedy for run in runs})
+    rows += greedy_match_rows(info, args, runs)
     harness.add_baseline_ratios(rows)
     json_path = harness.save_results(
         BENCH, harness.run_label(args), rows, info, args.out_dir, args.results_md

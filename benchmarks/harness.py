@@ -47,6 +47,7 @@ class Row:
     attention_backend: str = ""  # SGLang's --attention-backend of this row's engine
     baseline_backend: str = ""  # the vanilla backend of baseline_value: the fastest measured
     kv_source: str = ""  # real (prefill computed it) or synthetic (filled without prefill)
+    budget: str = ""  # the policy's KV budget (KVPolicy.budget), where it has one
 
 
 @dataclasses.dataclass
@@ -183,6 +184,16 @@ def split_policy(name: str) -> tuple[str, str | None]:
 
 def is_vanilla(name: str) -> bool:
     return split_policy(name)[0] == VANILLA
+
+
+def policy_budget(name: str, config: str | None) -> str:
+    """The KV budget a benchmark row names for a policy (``--policy-config`` JSON or defaults);
+    empty for vanilla."""
+    if is_vanilla(name):
+        return ""
+    from sglang_ext.policies import build_policy
+
+    return build_policy(split_policy(name)[0], json.loads(config or "{}")).budget()
 
 
 def engine_flags(

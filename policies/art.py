@@ -145,6 +145,9 @@ class ArtOver(KVPolicy):
     def attended_tokens(self, seq_len: int, num_layers: int) -> float:
         return self.base.attended_tokens(seq_len, num_layers)
 
+    def budget(self) -> str:
+        return self.base.budget()
+
     def schema(self) -> dict[str, Any]:
         return {**self.base.schema(), Art.name: self.art.schema()}
 

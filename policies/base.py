@@ -138,6 +138,11 @@ class KVPolicy:
         attention (sglang_ext.cache_correction); 0: never."""
         return 0
 
+    def budget(self) -> str:
+        """Its KV budget in a few words, for reports (a benchmark row's ``budget``); empty for a
+        policy without one."""
+        return ""
+
     def attended_tokens(self, seq_len: int, num_layers: int) -> float:
         """Tokens a decode step of a request of ``seq_len`` tokens attends to, averaged over the
         layers (before any early stop of ART); for metrics. Needs for_model's layer lists."""

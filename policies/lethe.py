@@ -101,6 +101,9 @@ class Lethe(KVPolicy):
             self._error("name", "lethe does not run under attention tensor parallelism yet")
         return LetheRuntime(self, ctx)
 
+    def budget(self) -> str:
+        return f"max_kv_ratio {self.max_kv_ratio}, evict_threshold {self.evict_threshold}"
+
     def server_defaults(self) -> dict[str, str]:
         # The state is per request slot x context position; SGLang's default request pool
         # (thousands of slots on a large KV pool) would make it gigabytes.

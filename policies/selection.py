@@ -145,6 +145,9 @@ class SelectionPolicy(KVPolicy):
             roles[layer] = LayerRole.SELECT
         return roles
 
+    def budget(self) -> str:
+        return f"{getattr(self, self.budget_field)} {self.budget_field.removeprefix('budget_')}"
+
     def attended_tokens(self, seq_len: int, num_layers: int) -> float:
         # per request and decode step (metrics, report): counted, not layer_roles rebuilt; the
         # lists are disjoint without repeats (validate) and within the model (decode_fns)
