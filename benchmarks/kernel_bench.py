@@ -197,13 +197,16 @@ def rank_rows(inputs, budget_tokens: int, point: dict, info) -> list[Row]:
 
     rows = []
     widths = {"tidal": (1, budget_tokens, 1), "delta": (PAGE, budget_tokens // PAGE, 8)}
+    rankers = {"torch": ps.torch_top_ranked, "flashinfer": ps.flashinfer_top_ranked}
     for policy, (page, budget, recent) in widths.items():
         scores = torch.rand(inputs.batch, -(-inputs.req_to_token.shape[1] // page), device="cuda")
-        for ranker, top_ranked in (("torch", ps.torch_top_ranked), ("flashinfer", ps.flashinfer_top_ranked)):
+        for ranker, top_ranked in rankers.items():
+
             def select(top_ranked=top_ranked):
                 ps.select_pages(scores, inputs.seq_lens, budget, recent, page, top_ranked=top_ranked)
 
-            rows.append(info.row(**point, policy=policy, metric=f"rank_{ranker}_ms", value=time_ms(select)))
+            ms = time_ms(select)
+            rows.append(info.row(**point, policy=policy, metric=f"rank_{ranker}_ms", value=ms))
     return rows
 
 

@@ -77,8 +77,8 @@ def flashinfer_top_ranked(scores: torch.Tensor, eligible: torch.Tensor, k: int) 
     An eligible -inf becomes the lowest finite float so that it still ranks above the ineligible."""
     import flashinfer
 
-    lowest = torch.finfo(torch.float32).min
-    masked = torch.where(eligible, scores.float().clamp_min(lowest), float("-inf"))
+    lowest = torch.finfo(scores.dtype).min
+    masked = torch.where(eligible, scores.clamp_min(lowest), float("-inf"))
     _, top = flashinfer.top_k(
         masked, k, sorted=True, tie_break=flashinfer.topk.TopKTieBreak.SMALL, dsa_graph_safe=True
     )

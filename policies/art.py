@@ -72,10 +72,13 @@ class Art(KVPolicy):
         tiles_read = torch.empty(shape, dtype=torch.int32, device=ctx.device)
         return {"workspace": workspace, "tiles_read": tiles_read}
 
-    def read(self, q, ctx: DecodeContext, layer, forward_batch, per_request=False, scratch=None, **order):
+    def read(
+        self, q, ctx: DecodeContext, layer, forward_batch, per_request=False, scratch=None, **order
+    ):
         """ART's decode attention of q [batch, heads, dim] over the layer's cache (all of it
         recent-first, or ``order``/``num_order``/``order_span``/``always_read``); with
-        ``per_request``, each request's own (tau, phi, patience) from ctx.request_values."""
+        ``per_request``, each request's own (tau, phi, patience) from ctx.request_values; with
+        ``scratch`` (``Art.scratch``), the kernel's buffers owned up front."""
         from sglang_ext.kernels import art_decode as art
 
         attend = art.art_decode if q.is_cuda else art.art_decode_ref

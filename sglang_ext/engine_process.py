@@ -108,7 +108,8 @@ class EngineServer:
             if marker in self.log():
                 return self
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{log_tail(self.log_path)}")
+                tail = log_tail(self.log_path)
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{tail}")
             time.sleep(0.5)
         raise TimeoutError(f"no {marker!r} after {timeout_s}s:\n{log_tail(self.log_path)}")
 

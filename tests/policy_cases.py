@@ -60,7 +60,7 @@ class Cache:
             req_to_token=self.req_to_token,
             max_batch_size=self.MAX_BATCH,
             device=self.device,
-            num_q_heads=self.Q_HEADS,  # on CUDA, the decoders then own their scratch as in the engine
+            num_q_heads=self.Q_HEADS,  # on CUDA the decoders own their scratch, as in the engine
             head_dim=self.DIM,
             model_fingerprint=fingerprint or {"architecture": "Tiny", "layers": self.num_layers},
             max_across_ranks=max_across_ranks,
