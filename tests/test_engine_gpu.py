@@ -2,6 +2,7 @@
 CUDA graphs on, the policies on the FlashInfer base (the launcher's default there). Skipped
 without CUDA; on the GPU machine ``benchmarks/gpu_tests.sh`` runs it with the kernel tests."""
 
+import statistics
 import sys
 
 import pytest
@@ -100,9 +101,10 @@ def test_full_gives_vanilla_flashinfers_greedy_tokens(servers):
 
 def test_delta_with_a_covering_budget_follows_full(servers):
     # Its sparse layers attend to every token through our kernel, FlashInfer's full layers round
-    # differently in bf16: logprobs agree closely, and tokens part only where full's top two tie.
-    # Each prompt alone and new to both servers: a batch's make-up or a cached prefix changes the
-    # prefill's bf16 rounding by as much (0.08 nats seen), which is not what this test is about.
+    # differently in bf16, and the difference compounds token by token (0.126 nats at most, most
+    # gaps under 0.02, seen on the H100); a page left out or misplaced moves logprobs by whole nats.
+    # Tokens part only where full's top two tie. Each prompt alone and new to both servers: a
+    # batch's make-up or a cached prefix changes the prefill's rounding, not what this test is about.
     request = {"return_logprob": True, "top_logprobs_num": 2}
     for text in COVERING_PROMPTS:
         mine = generate(servers["delta"], text, **request)
@@ -113,10 +115,10 @@ def test_delta_with_a_covering_budget_follows_full(servers):
         logprobs = zip(ours["output_token_logprobs"], theirs["output_token_logprobs"])
         gaps = [abs(a[0] - b[0]) for a, b in logprobs][:same]
         assert same > 0 and gaps[0] < 1e-3  # the same prefill gives the same first token
-        assert max(gaps) < 0.1, (mine["text"], full["text"])
+        assert statistics.median(gaps) < 0.02 and max(gaps) < 0.25, (mine["text"], full["text"])
         if same < len(full["output_ids"]):
             (first, _, _), (second, second_id, _) = theirs["output_top_logprobs"][same]
-            assert mine["output_ids"][same] == second_id and first - second < 0.1
+            assert mine["output_ids"][same] == second_id and first - second < 0.25
 
 
 @pytest.mark.parametrize("name", ["delta_small", "tidal_small"])
