@@ -7,6 +7,12 @@ vanilla SGLang in the same run, from SGLang's offline one-batch benchmark (dummy
 ``vanilla@BACKEND`` runs vanilla SGLang on that attention backend; ratios are against the fastest
 vanilla backend at each point (``baseline_backend``).
 
+Each point also gets its bandwidth floor: the bytes a step must read (the weights, and each
+request's attended tokens' K and V, as the policy counts them, at the point's context) over the
+device's measured copy bandwidth; ``decode_step_floor_latency_s`` is that time (its ratio: the
+policy's bytes against vanilla's) and ``decode_step_latency_over_floor`` how far the measured step
+is from it.
+
 Each policy runs in its own process (benchmarks.decode_step_child). A point whose KV does not fit
 in the engine's pool is recorded as skipped, with the reason.
 """
@@ -26,6 +32,7 @@ from sglang_ext.launch import flag_value
 
 BENCH = "decode_step"
 METRICS = ("decode_step_latency_s", "decode_throughput_tok_s")
+FLOOR_METRICS = ("decode_step_floor_latency_s", "decode_step_latency_over_floor")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,6 +83,7 @@ def run_policy(args: argparse.Namespace, policy: str, log_path: Path) -> dict:
             "--policy", harness.split_policy(policy)[0],
             "--result-json", str(result_json),
             "--prefill-slice-tokens", str(args.prefill_slice_tokens),
+            "--contexts", ",".join(map(str, args.context)),
             *(["--skip-prefill-compute"] if args.skip_prefill_compute else []),
         ]  # fmt: skip
         if not harness.is_vanilla(policy) and args.policy_config:
@@ -95,7 +103,9 @@ def run_policy(args: argparse.Namespace, policy: str, log_path: Path) -> dict:
         return {**json.loads(result_json.read_text()), "backend_flag": backend}
 
 
-def policy_rows(args: argparse.Namespace, info: RunInfo, policy: str, result: dict) -> list[Row]:
+def policy_rows(
+    args: argparse.Namespace, info: RunInfo, policy: str, result: dict, copy_bytes_per_s: float
+) -> list[Row]:
     measured = {
         (r["batch_size"], r["input_len"]): r["median_decode_latency"] for r in result["runs"]
     }
@@ -114,9 +124,18 @@ def policy_rows(args: argparse.Namespace, info: RunInfo, policy: str, result: di
                 reason = f"KV needs {need} tokens, pool holds {result['kv_capacity_tokens']}"
                 rows += [info.row(**point, metric=m, value=None, skipped=reason) for m in METRICS]
             else:
-                values = (latency, batch / latency)
-                rows += [info.row(**point, metric=m, value=v) for m, v in zip(METRICS, values)]
+                floor = floor_latency_s(result, batch, context, copy_bytes_per_s)
+                values = (latency, batch / latency, floor, latency / floor)
+                metrics = METRICS + FLOOR_METRICS
+                rows += [info.row(**point, metric=m, value=v) for m, v in zip(metrics, values)]
     return rows
+
+
+def floor_latency_s(result: dict, batch: int, context: int, copy_bytes_per_s: float) -> float:
+    """The least time a decode step of ``batch`` requests at ``context`` tokens can take: the
+    weights read once, each request's attended tokens' K and V read once, at copy bandwidth."""
+    kv_bytes = batch * result["attended_tokens"][str(context)] * result["kv_bytes_per_token"]
+    return (result["weight_bytes"] + kv_bytes) / copy_bytes_per_s
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -125,13 +144,17 @@ def main(argv: list[str] | None = None) -> None:
     info = RunInfo.detect()
     log_dir = args.log_dir or args.out_dir
     log_dir.mkdir(parents=True, exist_ok=True)
-    rows: list[Row] = []
+    results = {}
     for policy in args.policies:
         log_path = log_dir / f"{BENCH}-{args.shape}-{policy}.log"
         print(f"{BENCH}: {policy} on {args.shape} ({info.device}), log {log_path}", flush=True)
-        result = run_policy(args, policy, log_path)
-        print(f"{BENCH}: {policy} decoded with {result['attention_backend']}", flush=True)
-        rows += policy_rows(args, info, policy, result)
+        results[policy] = run_policy(args, policy, log_path)
+        print(f"{BENCH}: {policy} decoded with {results[policy]['attention_backend']}", flush=True)
+    # every policy's floor at the best bandwidth any of its processes measured: the device's
+    copy_bandwidth = max(result["copy_bytes_per_s"] for result in results.values())
+    rows: list[Row] = []
+    for policy, result in results.items():
+        rows += policy_rows(args, info, policy, result, copy_bandwidth)
     harness.add_baseline_ratios(rows)
     json_path = harness.save_results(
         BENCH, harness.run_label(args), rows, info, args.out_dir, args.results_md

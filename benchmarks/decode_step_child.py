@@ -5,7 +5,9 @@ state leaks between policies. Started by benchmarks.decode_step:
         [--prefill-slice-tokens N] -- <sglang.benchmark.one_batch flags>
 
 ``--policy vanilla`` leaves SGLang untouched. The result JSON holds one_batch's measurements, the
-KV pool's capacity in tokens (to explain skipped points) and the attention backend that decoded.
+KV pool's capacity in tokens (to explain skipped points), the attention backend that decoded, and
+what a decode step's bandwidth floor needs (benchmarks.decode_step): the weights' and a token's KV
+bytes, the tokens the policy attends to at each --contexts length, and the device's copy bandwidth.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks import harness
 from benchmarks.harness import VANILLA
+from sglang_ext.launch import flag_value
 from sglang_ext.platform import cpu
 
 
@@ -33,6 +37,9 @@ def main() -> None:
         help="allocate the prompts' KV slots without running the prefill forward (KV keeps the "
         "pool's initial contents): decode reads the same bytes, minutes of prefill are saved",
     )
+    parser.add_argument(
+        "--contexts", default="", help="comma-separated lengths to report attended tokens at"
+    )
     parser.add_argument("one_batch_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     one_batch_args = (
@@ -45,7 +52,12 @@ def main() -> None:
 
     from sglang.benchmark import one_batch
 
-    engine = _patch_one_batch(one_batch, args.prefill_slice_tokens, args.skip_prefill_compute)
+    # before the model and KV pool take the memory its buffers need
+    copy_bandwidth = harness.copy_bytes_per_s(flag_value(one_batch_args, "--device", "cuda"))
+    contexts = [int(c) for c in args.contexts.split(",") if c]
+    engine = _patch_one_batch(
+        one_batch, args.prefill_slice_tokens, args.skip_prefill_compute, contexts
+    )
     with tempfile.TemporaryDirectory() as tmp:
         jsonl = Path(tmp) / "one_batch.jsonl"
         sys.argv = ["one_batch", *one_batch_args, "--result-filename", str(jsonl)]
@@ -54,6 +66,7 @@ def main() -> None:
 
     if engine.pop("is_policy_backend") != (args.policy != VANILLA):
         raise SystemExit(f"policy {args.policy!r} decoded with {engine['attention_backend']}")
+    engine["copy_bytes_per_s"] = copy_bandwidth
     args.result_json.write_text(json.dumps({**engine, "runs": runs}))
 
 
@@ -71,9 +84,11 @@ def _load_policy_plugin(name: str, config: str | None) -> None:
     engine.install(policy, apply=True)
 
 
-def _patch_one_batch(one_batch, slice_tokens: int, skip_prefill_compute: bool) -> dict:
+def _patch_one_batch(
+    one_batch, slice_tokens: int, skip_prefill_compute: bool, contexts: list[int]
+) -> dict:
     """Adapt one_batch to dummy-weight shapes and long contexts; returns a dict that fills with
-    the engine's KV capacity and attention backend once the model is loaded."""
+    the engine's KV capacity, attention backend and bytes read per step once the model is loaded."""
     import torch
 
     from sglang_ext.engine.backends import PolicyDispatchMixin
@@ -87,6 +102,7 @@ def _patch_one_batch(one_batch, slice_tokens: int, skip_prefill_compute: bool) -
         backend = runner.torch_runner.attn_backend
         engine["attention_backend"] = type(backend).__name__
         engine["is_policy_backend"] = isinstance(backend, PolicyDispatchMixin)
+        engine.update(_bytes_read(runner.torch_runner, contexts))
         return runner, tokenizer
 
     def extend_in_slices(self, reqs):
@@ -125,6 +141,27 @@ def _patch_one_batch(one_batch, slice_tokens: int, skip_prefill_compute: bool) -
     # Synthetic input ids need no tokenizer, and the shape folders ship none.
     one_batch.get_tokenizer = lambda *args, **kwargs: None
     return engine
+
+
+def _bytes_read(model_runner, contexts: list[int]) -> dict:
+    """The weights' bytes, one token's K and V bytes over all layers, and the tokens a decode step
+    of one request attends to at each context (the served policy's own count; all for vanilla)."""
+    pool = model_runner.token_to_kv_pool
+    layers = range(pool.start_layer, pool.start_layer + pool.layer_num)
+    kv_bytes = sum(
+        pool.get_key_buffer(i)[0].nbytes + pool.get_value_buffer(i)[0].nbytes for i in layers
+    )
+    policy = getattr(model_runner.attn_backend, "kv_policy", None)
+    num_layers = model_runner.model_config.num_hidden_layers
+    attended = {
+        str(c): policy.attended_tokens(c, num_layers) if policy is not None else float(c)
+        for c in contexts
+    }
+    return {
+        "weight_bytes": sum(p.numel() * p.element_size() for p in model_runner.model.parameters()),
+        "kv_bytes_per_token": kv_bytes,
+        "attended_tokens": attended,
+    }
 
 
 def _no_prefill_forward(runner, forward_batch, *args, **kwargs):

@@ -11,7 +11,9 @@ import json
 import os
 import re
 import shlex
+import statistics
 import sys
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -229,6 +231,36 @@ def require_plugin_entry_point() -> None:
             "(pip install -e ., or on the GPU machine scripts/gpu_install_ext.sh and "
             "PYTHONPATH=/tmp/site:/tmp/ext)"
         )
+
+
+def copy_bytes_per_s(device: str, nbytes: int = 1 << 30, repeats: int = 9) -> float:
+    """The device's memory bandwidth as a device-to-device copy sees it (each byte read and
+    written: 2 * nbytes moved), median of ``repeats``: the rate a decode step's reads are judged by."""
+    import torch  # the engine's children and the kernel bench measure; the parents need no torch
+
+    if device != "cuda":
+        nbytes = min(nbytes, 1 << 26)
+    source = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)  # warm-up
+    seconds = []
+    for _ in range(repeats):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            target.copy_(source)
+            end.record()
+            end.synchronize()
+            seconds.append(start.elapsed_time(end) / 1e3)
+        else:
+            began = time.perf_counter()
+            target.copy_(source)
+            seconds.append(time.perf_counter() - began)
+    del source, target
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return 2 * nbytes / statistics.median(seconds)
+
 
 
 def add_baseline_ratios(rows: list[Row]) -> None:

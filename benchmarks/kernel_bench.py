@@ -60,13 +60,6 @@ def time_ms(fn, reps: int = 20, replays: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def copy_bandwidth_gbs() -> float:
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), reps=5, replays=4)
-    return 2 * src.numel() / (ms * 1e-3) / 1e9  # read + write
-
-
 class Inputs:
     """One layer's decode inputs: a KV pool with each request's tokens in contiguous slots."""
 
@@ -214,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     cfg = harness.shape_config(args.shape)
     info = RunInfo.detect()
-    bandwidth = copy_bandwidth_gbs()
+    bandwidth = harness.copy_bytes_per_s("cuda", 2 << 30) / 1e9
     print(
         f"{BENCH}: {args.shape} on {info.device}, copy bandwidth {bandwidth:.0f} GB/s", flush=True
     )

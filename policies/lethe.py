@@ -188,6 +188,14 @@ class Lethe(KVPolicy):
         """The most positions of ``length`` a round leaves."""
         return max(self.sink_tokens + 1, math.ceil(self.max_kv_ratio * length))
 
+    def attended_tokens(self, seq_len: int, num_layers: int) -> float:
+        # Right after a round: the fewest it reads at this length (it then grows by a recent
+        # window until the next), for a decode step's bandwidth floor. Its runtime's reports
+        # count what each request really holds.
+        if seq_len <= self.evict_threshold:
+            return float(seq_len)
+        return float(min(seq_len, self.round_cap(seq_len)))
+
     def expected_kv(self, total_tokens: int) -> int:
         """The most KV a request of ``total_tokens`` (prompt and generation) is expected to hold:
         rounds leave ``max_kv_ratio`` of it, and it grows by a recent window before the next."""

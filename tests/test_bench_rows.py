@@ -1,7 +1,9 @@
 """What benchmark rows say about a run: each policy's budget, which server a NAME@BACKEND starts,
-and which vanilla run a policy's greedy tokens are compared with."""
+which vanilla run a policy's greedy tokens are compared with, and a decode step's bandwidth floor."""
 
-from benchmarks import e2e, harness
+import pytest
+
+from benchmarks import decode_step, e2e, harness
 
 
 def test_rows_name_each_policys_budget_from_its_config():
@@ -34,3 +36,27 @@ def test_greedy_tokens_are_compared_with_vanilla_on_the_same_backend():
     args = e2e.build_parser().parse_args(["--shape", "qwen1.5b"])
     rows = e2e.greedy_match_rows(harness.RunInfo.detect(), args, runs)
     assert {r.policy: r.value for r in rows} == {"vanilla@fa3": 1.0, "vanilla@flashinfer": 1.0, "full": 0.5}
+
+
+def test_a_decode_steps_floor_reads_the_weights_once_and_each_attended_tokens_kv_once():
+    result = {"weight_bytes": 3e9, "kv_bytes_per_token": 28672, "attended_tokens": {"32768": 4096.0}}
+    floor = decode_step.floor_latency_s(result, 32, 32768, copy_bytes_per_s=2e12)
+    assert floor == pytest.approx((3e9 + 32 * 4096 * 28672) / 2e12)
+
+
+def test_each_measured_decode_step_point_is_judged_against_its_floor():
+    args = decode_step.build_parser().parse_args(
+        ["--shape", "qwen1.5b", "--batch", "2", "--context", "100,5000"]
+    )
+    result = {
+        "runs": [{"batch_size": 2, "input_len": 100, "median_decode_latency": 0.01}],
+        "kv_capacity_tokens": 1000, "backend_flag": "flashinfer", "weight_bytes": 1e9,
+        "kv_bytes_per_token": 1000, "attended_tokens": {"100": 100.0, "5000": 1100.0},
+    }  # fmt: skip
+    rows = decode_step.policy_rows(args, harness.RunInfo.detect(), "delta", result, 1e12)
+    found = {(r.context, r.metric): r for r in rows}
+    floor = found[100, "decode_step_floor_latency_s"].value
+    assert floor == pytest.approx((1e9 + 2 * 100 * 1000) / 1e12)
+    assert found[100, "decode_step_latency_over_floor"].value == pytest.approx(0.01 / floor)
+    # a point that did not fit is skipped, with no floor to compare against
+    assert found[5000, "decode_step_latency_s"].skipped and (5000, "decode_step_floor_latency_s") not in found

@@ -126,3 +126,10 @@ def test_the_batched_union_under_the_cap_is_left_alone():
     keep = torch.ones(2, 2, dtype=torch.bool)
     union = policy.cap_union_layers(positions, torch.ones(2, 2), keep, 10)
     assert torch.nonzero(union).flatten().tolist() == [0, 5, 9]
+
+
+def test_a_step_attends_to_all_until_the_threshold_then_to_what_a_round_leaves():
+    policy = Lethe(evict_threshold=1024, max_kv_ratio=0.3)
+    assert policy.attended_tokens(1000, num_layers=28) == 1000
+    assert policy.attended_tokens(32768, num_layers=28) == math.ceil(0.3 * 32768)
+    assert Lethe(max_kv_ratio=1.0).attended_tokens(32768, num_layers=28) == 32768
