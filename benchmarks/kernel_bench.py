@@ -6,7 +6,8 @@ triton decode kernel on the same inputs, and against the bandwidth floor.
 Per (batch, context), one layer's time (replayed from a CUDA graph, as the engine decodes) of: SGLang's decode kernel (the baseline, `vanilla`); our
 split-KV kernel over the whole cache (`full`); a selection layer (attention + scores + selection)
 of DELTA and of Tidal; a sparse layer of each; the selection step alone with torch's top-k and
-FlashInfer's (`rank_*_ms`). From them, the attention time of one decode step of
+FlashInfer's (`rank_*_ms`); a sparse layer's attention by our kernel and by FlashInfer's paged
+decode over the same selected slots (`sparse_ours_ms`, `sparse_flashinfer_ms`). From them, the attention time of one decode step of
 the whole model under each policy (layer roles from the paper defaults for its depth). The floor of
 a kernel is the K/V bytes it must read over a measured device-to-device copy bandwidth.
 """
@@ -171,6 +172,7 @@ def measure_point(cfg, batch, context, args, bandwidth, info) -> list[Row]:
             + count[LayerRole.SPARSE] * sparse_ms
         )
     rows += rank_rows(inputs, args.budget_tokens, point, info)
+    rows += sparse_kernel_rows(inputs, args.budget_tokens, point, info)
     rows += [
         info.row(**point, policy="vanilla", metric="layer_floor_ratio",
                  value=per_layer["vanilla"] / full_floor_ms),
@@ -180,6 +182,65 @@ def measure_point(cfg, batch, context, args, bandwidth, info) -> list[Row]:
     rows += [
         info.row(**point, policy=p, metric="step_attention_ms", value=ms) for p, ms in step.items()
     ]
+    return rows
+
+
+def sparse_kernel_rows(inputs, budget_tokens: int, point: dict, info) -> list[Row]:
+    """A sparse layer's attention over one selection, by our kernel and by FlashInfer's paged
+    decode over the selected slots (page size 1, as SGLang's pool; planned outside the graph as
+    SGLang plans once per step): which one the sparse layers should run (issue 15). DELTA's
+    selection is 16-token pages, Tidal's single tokens, both spread over the whole context."""
+    import flashinfer
+    from sglang.srt.layers.attention.flashinfer_backend import should_use_tensor_core
+
+    from sglang_ext.kernels.sparse_decode import sparse_decode_attention
+    from sglang_ext.kernels.split_kv_decode import SplitKVWorkspace
+
+    batch, q_heads, dim = inputs.q.shape
+    kv_heads = inputs.k.shape[1]
+    rows = []
+    for policy, page in (("delta", PAGE), ("tidal", 1)):
+        units = min(budget_tokens, inputs.context) // page
+        stride = inputs.context // page // units
+        chosen = torch.arange(units, device="cuda", dtype=torch.int32) * stride
+        selected = chosen.expand(batch, units).contiguous()
+        num_selected = torch.full((batch,), units, device="cuda", dtype=torch.int32)
+        workspace = SplitKVWorkspace(batch, q_heads, kv_heads, dim, units * page, "cuda")
+        ours_out = torch.empty_like(inputs.q)
+
+        def ours(selected=selected, num_selected=num_selected, workspace=workspace, page=page):
+            sparse_decode_attention(
+                *inputs.cache(), selected, num_selected, inputs.scale, page_size=page,
+                workspace=workspace, out=ours_out,
+            )  # fmt: skip
+
+        positions = (selected[:, :, None].long() * page + torch.arange(page, device="cuda"))
+        slots = inputs.req_to_token.gather(1, positions.flatten(1)).flatten()
+        indptr = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * (units * page)
+        last_page_len = torch.ones(batch, device="cuda", dtype=torch.int32)
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=should_use_tensor_core(inputs.q.dtype, q_heads, kv_heads),
+            paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=slots,
+            paged_kv_last_page_len_buffer=last_page_len,
+        )  # fmt: skip
+        wrapper.begin_forward(
+            indptr, slots, last_page_len, q_heads, kv_heads, dim, 1,
+            data_type=inputs.k.dtype, q_data_type=inputs.q.dtype,
+        )  # fmt: skip
+        theirs_out = torch.empty_like(inputs.q)
+
+        def theirs(wrapper=wrapper):
+            theirs_out.copy_(wrapper.forward(inputs.q, (inputs.k, inputs.v), sm_scale=inputs.scale))
+
+        ours_ms, theirs_ms = time_ms(ours), time_ms(theirs)
+        # the same attention, or the timing compares different work
+        torch.testing.assert_close(ours_out, theirs_out, atol=2e-2, rtol=2e-2)
+        rows += [
+            info.row(**point, policy=policy, metric="sparse_ours_ms", value=ours_ms),
+            info.row(**point, policy=policy, metric="sparse_flashinfer_ms", value=theirs_ms),
+        ]
     return rows
 
 
