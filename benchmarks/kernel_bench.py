@@ -25,6 +25,7 @@ from benchmarks.harness import Row, RunInfo
 
 BENCH = "kernel_bench"
 PAGE = 16
+PARTS = ("layers", "rank", "sparse")
 
 
 def build_parser():
@@ -33,6 +34,11 @@ def build_parser():
     parser.add_argument("--context", type=harness.int_list, default=[4096, 16384, 32768])
     parser.add_argument("--budget-tokens", type=int, default=1024, help="DELTA K·16 and Tidal k")
     parser.add_argument("--kv-splits", type=int, default=8, help="of SGLang's kernel and ours")
+    parser.add_argument(
+        "--parts", type=harness.name_list, default=list(PARTS),
+        help="which rows: layers (per-layer and per-step times, floors), rank (the selection "
+        "step's top-k), sparse (our sparse kernel against FlashInfer's paged decode)",
+    )  # fmt: skip
     return parser
 
 
@@ -137,9 +143,22 @@ def policy_decoders(name: str, inputs: Inputs, budget_tokens: int, num_layers: i
 
 
 def measure_point(cfg, batch, context, args, bandwidth, info) -> list[Row]:
+    inputs = Inputs(cfg, batch, context)
+    point = dict(bench=BENCH, model_shape=args.shape, batch=batch, context=context)
+    rows = []
+    if "layers" in args.parts:
+        rows += layer_rows(cfg, inputs, args, bandwidth, point, info)
+    if "rank" in args.parts:
+        rows += rank_rows(inputs, args.budget_tokens, point, info)
+    if "sparse" in args.parts:
+        rows += sparse_kernel_rows(inputs, args.budget_tokens, point, info)
+    return rows
+
+
+def layer_rows(cfg, inputs, args, bandwidth, point: dict, info) -> list[Row]:
     from sglang_ext.kernels.split_kv_decode import split_kv_decode
 
-    inputs = Inputs(cfg, batch, context)
+    batch, context = inputs.batch, inputs.context
     num_layers = cfg["num_hidden_layers"]
     full_floor_ms = batch * context * inputs.kv_bytes_per_token / bandwidth / 1e6
     sparse_floor_ms = batch * min(context, args.budget_tokens) * inputs.kv_bytes_per_token
@@ -150,7 +169,6 @@ def measure_point(cfg, batch, context, args, bandwidth, info) -> list[Row]:
             lambda: split_kv_decode(*inputs.cache(), inputs.scale, num_kv_splits=args.kv_splits)
         ),
     }
-    point = dict(bench=BENCH, model_shape=args.shape, batch=batch, context=context)
     rows = [
         info.row(**point, policy=p, metric="layer_attention_ms", value=ms)
         for p, ms in per_layer.items()
@@ -171,8 +189,6 @@ def measure_point(cfg, batch, context, args, bandwidth, info) -> list[Row]:
             + count[LayerRole.SELECT] * select_ms
             + count[LayerRole.SPARSE] * sparse_ms
         )
-    rows += rank_rows(inputs, args.budget_tokens, point, info)
-    rows += sparse_kernel_rows(inputs, args.budget_tokens, point, info)
     rows += [
         info.row(**point, policy="vanilla", metric="layer_floor_ratio",
                  value=per_layer["vanilla"] / full_floor_ms),
@@ -229,14 +245,13 @@ def sparse_kernel_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
             indptr, slots, last_page_len, q_heads, kv_heads, dim, 1,
             data_type=inputs.k.dtype, q_data_type=inputs.q.dtype,
         )  # fmt: skip
-        theirs_out = torch.empty_like(inputs.q)
 
         def theirs(wrapper=wrapper):
-            theirs_out.copy_(wrapper.forward(inputs.q, (inputs.k, inputs.v), sm_scale=inputs.scale))
+            return wrapper.forward(inputs.q, (inputs.k, inputs.v), sm_scale=inputs.scale)
 
         ours_ms, theirs_ms = time_ms(ours), time_ms(theirs)
         # the same attention, or the timing compares different work
-        torch.testing.assert_close(ours_out, theirs_out, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(ours_out, theirs(), atol=2e-2, rtol=2e-2)
         rows += [
             info.row(**point, policy=policy, metric="sparse_ours_ms", value=ours_ms),
             info.row(**point, policy=policy, metric="sparse_flashinfer_ms", value=theirs_ms),
@@ -265,7 +280,10 @@ def rank_rows(inputs, budget_tokens: int, point: dict, info) -> list[Row]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if unknown := set(args.parts) - set(PARTS):
+        parser.error(f"--parts: unknown {sorted(unknown)}, choose from {', '.join(PARTS)}")
     cfg = harness.shape_config(args.shape)
     info = RunInfo.detect()
     bandwidth = harness.copy_bytes_per_s("cuda", 2 << 30) / 1e9
