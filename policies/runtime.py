@@ -73,6 +73,7 @@ class RequestReport:
 class RuntimeStats:
     rounds: int = 0  # eviction rounds
     freed_slots: int = 0
+    relief_slots: int = 0  # of freed_slots, freed because the next decode step did not fit
     seconds: float = 0.0  # host time spent in eviction rounds
     corrections: int = 0  # cache correction extends run
 

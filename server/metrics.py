@@ -86,6 +86,9 @@ class PolicyMetrics:
                              "tokens of the running requests: what full attention would hold", **gauge).labels(**labels)
         self.evicted = Counter(f"{PREFIX}evicted_tokens", "KV slots freed by eviction rounds",
                                list(labels)).labels(**labels)
+        self.relieved = Counter(f"{PREFIX}memory_relief_tokens",
+                                "KV slots freed because the next decode step did not fit (else SGLang retracts)",
+                                list(labels)).labels(**labels)  # fmt: skip
         self.rounds = Counter(f"{PREFIX}eviction_rounds", "eviction rounds run", list(labels)).labels(**labels)
         self.attended = Histogram(f"{PREFIX}attended_tokens_per_step",
                                   "tokens one request attends to per decode step, mean over layers",
@@ -110,6 +113,7 @@ class PolicyMetrics:
         stats = runtime.stats
         self.rounds.inc(stats.rounds - self._seen.rounds)
         self.evicted.inc(stats.freed_slots - self._seen.freed_slots)
+        self.relieved.inc(stats.relief_slots - self._seen.relief_slots)
         self.overhead.observe(stats.seconds - self._seen.seconds + time.perf_counter() - started)
         self._seen = dataclasses.replace(stats)
         if self.art is not None:

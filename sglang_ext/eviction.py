@@ -151,6 +151,7 @@ class LetheRuntime(PolicyRuntime):
                 before = state.evicted
                 self.prune(request, request.seq_len, engine)
                 freed += state.evicted - before
+        self.stats.relief_slots += freed
         return freed
 
     def report(self, request: StepRequest, extend: bool):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import requests
 
 from sglang_ext.engine_process import EngineServer, free_port
 
-__all__ = ["ServerProcess", "free_port", "policy_servers"]
+__all__ = ["ServerProcess", "free_port", "metric", "policy_servers"]
 
 
 class ServerProcess(EngineServer):
@@ -20,6 +21,16 @@ class ServerProcess(EngineServer):
         response = requests.post(f"{self.url}/generate", json=body, headers=self.headers, timeout=timeout)
         response.raise_for_status()
         return response.json()
+
+    def metrics(self) -> str:
+        return requests.get(f"{self.url}/metrics", headers=self.headers, timeout=60).text
+
+
+def metric(text: str, name: str) -> float:
+    """The value of a sample in Prometheus text (summed over its label sets)."""
+    found = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    assert found, f"{name} not exported"
+    return sum(float(value) for value in found)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import time
 import pytest
 import requests
 
-from server import ServerProcess, free_port, policy_servers
+from server import ServerProcess, free_port, metric, policy_servers
 from tools import tool
 from sglang_ext.server import report
 
@@ -258,13 +258,6 @@ def test_sigterm_drains_the_requests_in_flight(model_path, strict_env, tmp_path)
         assert server.proc.wait(timeout=120) is not None
     finally:
         server.stop()
-
-
-def metric(text: str, name: str) -> float:
-    """The value of a ``sglang_ext:`` sample in Prometheus text (summed over its label sets)."""
-    found = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
-    assert found, f"{name} not exported"
-    return sum(float(value) for value in found)
 
 
 def test_policy_metrics_are_exported_beside_sglangs(healthy_after):
