@@ -149,7 +149,9 @@ def measure_point(cfg, batch, context, args, bandwidth, info) -> list[Row]:
     if "layers" in args.parts:
         rows += layer_rows(cfg, inputs, args, bandwidth, point, info)
     if "rank" in args.parts:
-        rows += rank_rows(inputs, args.budget_tokens, point, info)
+        # the score rows span the server's context (--context-length), whatever the requests' lengths
+        width = max(context, args.context_length or 0)
+        rows += rank_rows(inputs, args.budget_tokens, width, point, info)
     if "sparse" in args.parts:
         rows += sparse_kernel_rows(inputs, args.budget_tokens, point, info)
     return rows
@@ -259,16 +261,22 @@ def sparse_kernel_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
     return rows
 
 
-def rank_rows(inputs, budget_tokens: int, point: dict, info) -> list[Row]:
-    """The selection step alone (scores to kept slots) with torch's top-k and FlashInfer's, over a
-    Tidal row (every token) and a DELTA row (every page): what ``fastest_top_ranked`` rests on."""
+def rank_rows(inputs, budget_tokens: int, row_width: int, point: dict, info) -> list[Row]:
+    """The selection step alone (scores to kept slots) over a Tidal row (every token) and a DELTA
+    row (every page), rows ``row_width`` tokens wide: torch's top-k (the oracle), FlashInfer's over
+    the padded row (``flashinfer.top_k``, the previous method) and over each row's candidates
+    only (``FlashInferTopRanked``, what ``fastest_top_ranked`` picks on CUDA)."""
     from sglang_ext.kernels import page_select as ps
 
     rows = []
     widths = {"tidal": (1, budget_tokens, 1), "delta": (PAGE, budget_tokens // PAGE, 8)}
-    rankers = {"torch": ps.torch_top_ranked, "flashinfer": ps.flashinfer_top_ranked}
+    rankers = {
+        "torch": ps.torch_top_ranked,
+        "flashinfer_padded": flashinfer_padded_top_ranked,
+        "flashinfer": ps.FlashInferTopRanked(inputs.batch, "cuda"),
+    }
     for policy, (page, budget, recent) in widths.items():
-        scores = torch.rand(inputs.batch, -(-inputs.req_to_token.shape[1] // page), device="cuda")
+        scores = torch.rand(inputs.batch, -(-row_width // page), device="cuda")
         for ranker, top_ranked in rankers.items():
 
             def select(top_ranked=top_ranked):
@@ -277,6 +285,20 @@ def rank_rows(inputs, budget_tokens: int, point: dict, info) -> list[Row]:
             ms = time_ms(select)
             rows.append(info.row(**point, policy=policy, metric=f"rank_{ranker}_ms", value=ms))
     return rows
+
+
+def flashinfer_padded_top_ranked(scores, num_candidates, k, ranked=True):
+    """FlashInfer's top-k over the whole padded row, the non-candidates masked to -inf first."""
+    import flashinfer
+
+    index = torch.arange(scores.shape[1], device=scores.device)
+    eligible = index < num_candidates.long()[:, None]
+    lowest = torch.finfo(scores.dtype).min
+    masked = torch.where(eligible, scores.clamp_min(lowest), float("-inf"))
+    _, top = flashinfer.top_k(
+        masked, k, sorted=True, tie_break=flashinfer.topk.TopKTieBreak.SMALL, dsa_graph_safe=True
+    )
+    return torch.where(eligible.gather(1, top), top, -1)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,9 +13,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-# (scores [batch, n], eligible [batch, n] bool, k) -> [batch, k] indices of the k best eligible
-# entries, best first, ties to the lower index; with fewer than k eligible, ineligible ones follow.
-TopRanked = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+# (scores [batch, n], num_candidates [batch] int, k, ranked) -> [batch, k] int64: the indices of
+# the k best among each row's first num_candidates entries (the rest of a row is never read, so
+# the work follows the request, not the row's width), -1 where a row has fewer. ``ranked``: best
+# first, ties to the lower index; else in any order.
+TopRanked = Callable[[torch.Tensor, torch.Tensor, int, bool], torch.Tensor]
 
 
 def select_pages(
@@ -30,7 +32,7 @@ def select_pages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DELTA's choice of K = budget pages with a recency window of L = num_recent pages.
 
-    page_scores [batch, max_pages] (entries past a request's last page are ignored) ->
+    page_scores [batch, max_pages] (entries past a request's last page are never read) ->
     (selected [batch, budget] int32, num_selected [batch] int32). ``by_importance`` orders the
     kept pages for ART's traversal instead of ascending: the recent pages, latest first, then
     the others by score, highest first. ``row_budget`` ([batch], each in [num_recent, budget])
@@ -38,19 +40,22 @@ def select_pages(
     ranks the candidates (default: torch's topk, the oracle; see ``fastest_top_ranked``).
     """
     assert 0 <= num_recent <= budget, "the recency window must fit in the budget"
-    max_pages = page_scores.shape[1]
-    page_ids = torch.arange(max_pages, device=page_scores.device)
-    num_pages = (seq_lens.long()[:, None] + page_size - 1) // page_size
-    candidate = page_ids < num_pages - num_recent  # exists and is not recent
-    # A top-k, not a sort: the score rows span the server's whole context (Tidal's: every token).
+    batch, max_pages = page_scores.shape
+    device = page_scores.device
+    num_pages = (seq_lens.long() + page_size - 1) // page_size
+    num_candidates = (num_pages - num_recent).clamp_min(0)  # every page but the recent ones
     num_top = min(budget - num_recent, max_pages)
-    top = (top_ranked or torch_top_ranked)(page_scores, candidate, num_top)
-    kept_top = candidate.gather(1, top)
-    if row_budget is not None:  # topk ranks best first: a row keeps its first K_row - L
-        rank = torch.arange(num_top, device=page_scores.device)
+    ranked = by_importance or row_budget is not None
+    if num_top > 0:
+        top = (top_ranked or torch_top_ranked)(page_scores, num_candidates, num_top, ranked)
+    else:
+        top = torch.empty(batch, 0, dtype=torch.int64, device=device)
+    kept_top = top >= 0
+    if row_budget is not None:  # ranked best first: a row keeps its first K_row - L
+        rank = torch.arange(num_top, device=device)
         kept_top &= rank < row_budget.long()[:, None] - num_recent
     top = torch.where(kept_top, top, max_pages)
-    recent = num_pages - num_recent + torch.arange(num_recent, device=page_scores.device)
+    recent = num_pages[:, None] - num_recent + torch.arange(num_recent, device=device)
     recent = torch.where(recent >= 0, recent, max_pages)
     if by_importance:
         kept = torch.cat([recent.flip(-1), top], dim=1)
@@ -66,26 +71,43 @@ def select_pages(
     return selected, valid.sum(dim=1, dtype=torch.int32)
 
 
-def torch_top_ranked(scores: torch.Tensor, eligible: torch.Tensor, k: int) -> torch.Tensor:
-    return _rank_keys(scores, eligible).topk(k, dim=1).indices
+def torch_top_ranked(
+    scores: torch.Tensor, num_candidates: torch.Tensor, k: int, ranked: bool = True
+) -> torch.Tensor:
+    """The oracle: torch's topk over int64 rank keys of the whole row (always ranked)."""
+    index = torch.arange(scores.shape[1], device=scores.device)
+    eligible = index < num_candidates.long()[:, None]
+    top = _rank_keys(scores, eligible, index).topk(k, dim=1).indices
+    return torch.where(eligible.gather(1, top), top, -1)
 
 
-def flashinfer_top_ranked(scores: torch.Tensor, eligible: torch.Tensor, k: int) -> torch.Tensor:
-    """FlashInfer's radix top-k (O(n) in the row), where torch's topk over int64 keys sorts: it
-    dominates a TidalDecode selection over every token of a long request. Its sorted, small-index
-    tie-break mode keeps the rule; graph-safe mode because decode replays it from a CUDA graph.
-    An eligible -inf becomes the lowest finite float so that it still ranks above the ineligible."""
-    import flashinfer
+class FlashInferTopRanked:
+    """FlashInfer's radix top-k over each row's candidates only (``top_k_ragged_transform``:
+    O(candidates), where a top-k over the padded row reads the server's whole context); its
+    small-index tie-break keeps the rule, graph-safe mode because decode replays it from a CUDA
+    graph. Its output is unordered: a ranked use sorts the k winners by their rank keys (k-wide,
+    not the row). The zero offsets are owned up front for batches up to ``max_rows``."""
 
-    lowest = torch.finfo(scores.dtype).min
-    masked = torch.where(eligible, scores.clamp_min(lowest), float("-inf"))
-    _, top = flashinfer.top_k(
-        masked, k, sorted=True, tie_break=flashinfer.topk.TopKTieBreak.SMALL, dsa_graph_safe=True
-    )
-    return top
+    def __init__(self, max_rows: int, device: torch.device | str):
+        self.offsets = torch.zeros(max_rows, dtype=torch.int32, device=device)
+
+    def __call__(
+        self, scores: torch.Tensor, num_candidates: torch.Tensor, k: int, ranked: bool = True
+    ) -> torch.Tensor:
+        import flashinfer
+
+        top = flashinfer.top_k_ragged_transform(
+            scores, self.offsets[: scores.shape[0]], num_candidates.int(), k,
+            tie_break=flashinfer.topk.TopKTieBreak.SMALL, dsa_graph_safe=True,
+        ).long()  # fmt: skip
+        if not ranked:
+            return top
+        valid = top >= 0
+        keys = _rank_keys(scores.gather(1, top.clamp_min(0)), valid, top)
+        return top.gather(1, keys.argsort(dim=1, descending=True))
 
 
-def fastest_top_ranked(device: torch.device | str) -> TopRanked:
+def fastest_top_ranked(device: torch.device | str, max_rows: int) -> TopRanked:
     """FlashInfer's top-k on CUDA where it is installed (measured: benchmarks.kernel_bench's
     ``rank_ms`` rows), torch's elsewhere."""
     if torch.device(device).type == "cuda":
@@ -93,19 +115,18 @@ def fastest_top_ranked(device: torch.device | str) -> TopRanked:
             import flashinfer.topk  # noqa: F401
         except ImportError:
             return torch_top_ranked
-        return flashinfer_top_ranked
+        return FlashInferTopRanked(max_rows, device)
     return torch_top_ranked
 
 
-def _rank_keys(scores: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
+def _rank_keys(scores: torch.Tensor, eligible: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """int64 keys ordered as (score, then lower index first); ineligible entries rank last.
 
     The float's bits, flipped for negatives, order like the float; the low 32 bits break ties
     toward the lower index, which topk alone does not promise."""
     bits = (scores.float() + 0.0).view(torch.int32).long()  # + 0.0 turns -0.0 into 0.0
     ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    index = torch.arange(scores.shape[1], device=scores.device)
-    keys = (ordered << 32) | (scores.shape[1] - 1 - index)
+    keys = (ordered << 32) | (0x7FFFFFFF - index.long())
     return torch.where(eligible, keys, torch.iinfo(torch.int64).min)
 
 

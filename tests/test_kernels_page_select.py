@@ -4,8 +4,8 @@ import pytest
 import torch
 from kernel_cases import DEVICE
 from sglang_ext.kernels.page_select import (
+    FlashInferTopRanked,
     fastest_top_ranked,
-    flashinfer_top_ranked,
     select_pages,
     select_tokens,
     torch_top_ranked,
@@ -56,7 +56,8 @@ def test_signed_and_infinite_scores_rank_by_value():
         check(scores.tolist(), [640, 300, 45, 17], budget=7, num_recent=1)
 
 
-ON_FLASHINFER = fastest_top_ranked(DEVICE) is flashinfer_top_ranked
+FASTEST = fastest_top_ranked(DEVICE, max_rows=8)
+ON_FLASHINFER = isinstance(FASTEST, FlashInferTopRanked)
 
 
 @pytest.mark.skipif(not ON_FLASHINFER, reason="FlashInfer's top-k needs CUDA and flashinfer")
@@ -66,16 +67,32 @@ def test_flashinfer_top_k_keeps_the_rule_ties_and_widths_included():
     for _ in range(5):
         scores = torch.randint(-3, 3, (len(seq_lens), 33000), generator=gen).float() * 0.75
         scores[2, 7] = float("-inf")
-        check(scores.tolist(), seq_lens, 1024, 1, 1, top_ranked=flashinfer_top_ranked)
-        check(scores[:, :2100].tolist(), seq_lens, 64, 8, 16, top_ranked=flashinfer_top_ranked)
+        check(scores.tolist(), seq_lens, 1024, 1, 1, top_ranked=FASTEST)
+        check(scores[:, :2100].tolist(), seq_lens, 64, 8, 16, top_ranked=FASTEST)
     # each request's own smaller budget keeps the first of the ranking
     scores = torch.rand(3, 4000, device=DEVICE)
     lens = torch.tensor([4000, 2500, 100], dtype=torch.int32, device=DEVICE)
     own = torch.tensor([300, 1024, 50], device=DEVICE)
     for by_importance in (False, True):
-        ours = select_pages(scores, lens, 1024, 1, 1, by_importance, own, flashinfer_top_ranked)
+        ours = select_pages(scores, lens, 1024, 1, 1, by_importance, own, FASTEST)
         oracle = select_pages(scores, lens, 1024, 1, 1, by_importance, own, torch_top_ranked)
         assert torch.equal(ours[0], oracle[0]) and torch.equal(ours[1], oracle[1])
+
+
+@pytest.mark.skipif(not ON_FLASHINFER, reason="FlashInfer's top-k needs CUDA and flashinfer")
+def test_flashinfer_top_k_never_reads_past_a_rows_candidates():
+    # NaN past each request's end: a top-k over the padded row would rank it
+    scores = torch.rand(4, 5000, device=DEVICE)
+    lens = torch.tensor([5000, 2000, 700, 3], dtype=torch.int32, device=DEVICE)
+    for b, n in enumerate(lens.tolist()):
+        scores[b, n:] = float("nan")
+    for ranked in (False, True):
+        top = FASTEST(scores, lens - 1, 512, ranked)
+        oracle = torch_top_ranked(scores.nan_to_num(-1.0), lens - 1, 512)
+        if ranked:
+            assert torch.equal(top, oracle)
+        else:
+            assert torch.equal(top.sort(dim=1).values, oracle.sort(dim=1).values)
 
 
 def test_ties_go_to_the_lower_page():
@@ -146,6 +163,6 @@ def test_selection_never_syncs_with_the_host():
         select_pages(scores, seq_lens, budget=8, num_recent=2)
         select_tokens(scores, seq_lens, budget=8)
         select_pages(scores, seq_lens, budget=8, num_recent=2, row_budget=seq_lens // 100 + 2)
-        select_tokens(scores, seq_lens, budget=8, top_ranked=fastest_top_ranked(DEVICE))
+        select_tokens(scores, seq_lens, budget=8, top_ranked=FASTEST)
     finally:
         torch.cuda.set_sync_debug_mode("default")
