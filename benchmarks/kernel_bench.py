@@ -149,7 +149,7 @@ def measure_point(cfg, batch, context, args, bandwidth, info) -> list[Row]:
     if "layers" in args.parts:
         rows += layer_rows(cfg, inputs, args, bandwidth, point, info)
     if "rank" in args.parts:
-        # the score rows span the server's context (--context-length), whatever the requests' lengths
+        # score rows span the server's context (--context-length), whatever the requests' lengths
         width = max(context, args.context_length or 0)
         rows += rank_rows(inputs, args.budget_tokens, width, point, info)
     if "sparse" in args.parts:
