@@ -264,16 +264,16 @@ def sparse_kernel_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
 def rank_rows(inputs, budget_tokens: int, row_width: int, point: dict, info) -> list[Row]:
     """The selection step alone (scores to kept slots) over a Tidal row (every token) and a DELTA
     row (every page), rows ``row_width`` tokens wide: torch's top-k (the oracle), FlashInfer's over
-    the padded row (``flashinfer.top_k``, the previous method) and over each row's candidates
-    only (``FlashInferTopRanked``, what ``fastest_top_ranked`` picks on CUDA)."""
+    the padded row (``flashinfer_top_ranked``, what ``fastest_top_ranked`` picks on CUDA) and
+    FlashInfer's over each row's candidates only (``top_k_ragged_transform``, the alternative)."""
     from sglang_ext.kernels import page_select as ps
 
     rows = []
     widths = {"tidal": (1, budget_tokens, 1), "delta": (PAGE, budget_tokens // PAGE, 8)}
     rankers = {
         "torch": ps.torch_top_ranked,
-        "flashinfer_padded": flashinfer_padded_top_ranked,
-        "flashinfer": ps.FlashInferTopRanked(inputs.batch, "cuda"),
+        "flashinfer": ps.flashinfer_top_ranked,
+        "flashinfer_ragged": ragged_top_ranked(inputs.batch),
     }
     for policy, (page, budget, recent) in widths.items():
         scores = torch.rand(inputs.batch, -(-row_width // page), device="cuda")
@@ -287,18 +287,26 @@ def rank_rows(inputs, budget_tokens: int, row_width: int, point: dict, info) -> 
     return rows
 
 
-def flashinfer_padded_top_ranked(scores, num_candidates, k, ranked=True):
-    """FlashInfer's top-k over the whole padded row, the non-candidates masked to -inf first."""
+def ragged_top_ranked(max_rows: int):
+    """FlashInfer's radix top-k over each row's candidates only (O(candidates), not the row);
+    unordered, so a ranked use sorts the k winners by their rank keys (k-wide)."""
     import flashinfer
 
-    index = torch.arange(scores.shape[1], device=scores.device)
-    eligible = index < num_candidates.long()[:, None]
-    lowest = torch.finfo(scores.dtype).min
-    masked = torch.where(eligible, scores.clamp_min(lowest), float("-inf"))
-    _, top = flashinfer.top_k(
-        masked, k, sorted=True, tie_break=flashinfer.topk.TopKTieBreak.SMALL, dsa_graph_safe=True
-    )
-    return torch.where(eligible.gather(1, top), top, -1)
+    from sglang_ext.kernels.page_select import _rank_keys
+
+    offsets = torch.zeros(max_rows, dtype=torch.int32, device="cuda")
+
+    def top_ranked(scores, num_candidates, k, ranked=True):
+        top = flashinfer.top_k_ragged_transform(
+            scores, offsets[: scores.shape[0]], num_candidates.int(), k,
+            tie_break=flashinfer.topk.TopKTieBreak.SMALL, dsa_graph_safe=True,
+        ).long()  # fmt: skip
+        if not ranked:
+            return top
+        keys = _rank_keys(scores.gather(1, top.clamp_min(0)), top >= 0, top)
+        return top.gather(1, keys.argsort(dim=1, descending=True))
+
+    return top_ranked
 
 
 def main(argv: list[str] | None = None) -> None:

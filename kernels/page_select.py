@@ -14,9 +14,8 @@ import torch
 import torch.nn.functional as F
 
 # (scores [batch, n], num_candidates [batch] int, k, ranked) -> [batch, k] int64: the indices of
-# the k best among each row's first num_candidates entries (the rest of a row is never read, so
-# the work follows the request, not the row's width), -1 where a row has fewer. ``ranked``: best
-# first, ties to the lower index; else in any order.
+# the k best among each row's first num_candidates entries (the rest of a row is ignored), -1
+# where a row has fewer. ``ranked``: best first, ties to the lower index; else in any order.
 TopRanked = Callable[[torch.Tensor, torch.Tensor, int, bool], torch.Tensor]
 
 
@@ -81,41 +80,39 @@ def torch_top_ranked(
     return torch.where(eligible.gather(1, top), top, -1)
 
 
-class FlashInferTopRanked:
-    """FlashInfer's radix top-k over each row's candidates only (``top_k_ragged_transform``:
-    O(candidates), where a top-k over the padded row reads the server's whole context); its
-    small-index tie-break keeps the rule, graph-safe mode because decode replays it from a CUDA
-    graph. Its output is unordered: a ranked use sorts the k winners by their rank keys (k-wide,
-    not the row). The zero offsets are owned up front for batches up to ``max_rows``."""
+def flashinfer_top_ranked(
+    scores: torch.Tensor, num_candidates: torch.Tensor, k: int, ranked: bool = True
+) -> torch.Tensor:
+    """FlashInfer's radix top-k (O(n) in the row) over the row with the non-candidates masked
+    to -inf, where torch's topk over int64 keys sorts: it dominates a TidalDecode selection over
+    every token of a long request. Its sorted, small-index tie-break mode keeps the rule (always
+    ranked); graph-safe mode because decode replays it from a CUDA graph. An eligible -inf becomes
+    the lowest finite float so that it still ranks above the ineligible.
 
-    def __init__(self, max_rows: int, device: torch.device | str):
-        self.offsets = torch.zeros(max_rows, dtype=torch.int32, device=device)
+    FlashInfer's ``top_k_ragged_transform`` reads only each row's candidates and is faster alone
+    (benchmarks.kernel_bench ``rank_flashinfer_ragged_ms``), yet in the engine's decode step it
+    measured slower (DELTA, same run: RESULTS.md, 2026-11-24 A/B), so this one stays."""
+    import flashinfer
 
-    def __call__(
-        self, scores: torch.Tensor, num_candidates: torch.Tensor, k: int, ranked: bool = True
-    ) -> torch.Tensor:
-        import flashinfer
-
-        top = flashinfer.top_k_ragged_transform(
-            scores, self.offsets[: scores.shape[0]], num_candidates.int(), k,
-            tie_break=flashinfer.topk.TopKTieBreak.SMALL, dsa_graph_safe=True,
-        ).long()  # fmt: skip
-        if not ranked:
-            return top
-        valid = top >= 0
-        keys = _rank_keys(scores.gather(1, top.clamp_min(0)), valid, top)
-        return top.gather(1, keys.argsort(dim=1, descending=True))
+    index = torch.arange(scores.shape[1], device=scores.device)
+    eligible = index < num_candidates.long()[:, None]
+    lowest = torch.finfo(scores.dtype).min
+    masked = torch.where(eligible, scores.clamp_min(lowest), float("-inf"))
+    _, top = flashinfer.top_k(
+        masked, k, sorted=True, tie_break=flashinfer.topk.TopKTieBreak.SMALL, dsa_graph_safe=True
+    )
+    return torch.where(eligible.gather(1, top), top, -1)
 
 
-def fastest_top_ranked(device: torch.device | str, max_rows: int) -> TopRanked:
+def fastest_top_ranked(device: torch.device | str) -> TopRanked:
     """FlashInfer's top-k on CUDA where it is installed (measured: benchmarks.kernel_bench's
-    ``rank_ms`` rows), torch's elsewhere."""
+    ``rank_*_ms`` rows and the decode step), torch's elsewhere."""
     if torch.device(device).type == "cuda":
         try:
             import flashinfer.topk  # noqa: F401
         except ImportError:
             return torch_top_ranked
-        return FlashInferTopRanked(max_rows, device)
+        return flashinfer_top_ranked
     return torch_top_ranked
 
 

@@ -42,7 +42,7 @@ class DeltaPolicy(SelectionPolicy):
 
     def selection(self, ctx: DecodeContext) -> Selection:
         attend_and_score = _selection_attention(ctx)
-        top_ranked = fastest_top_ranked(ctx.device, ctx.max_batch_size)
+        top_ranked = fastest_top_ranked(ctx.device)
 
         def choose(token_scores, page_scores, seq_lens, row_budget=None):
             if page_scores is None:

@@ -50,7 +50,7 @@ class TidalPolicy(SelectionPolicy):
 
     def selection(self, ctx: DecodeContext) -> Selection:
         attend_and_score = _selection_attention(ctx)
-        top_ranked = fastest_top_ranked(ctx.device, ctx.max_batch_size)
+        top_ranked = fastest_top_ranked(ctx.device)
 
         def choose(token_scores, page_scores, seq_lens, row_budget=None):
             return select_tokens(

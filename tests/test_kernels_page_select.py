@@ -4,8 +4,8 @@ import pytest
 import torch
 from kernel_cases import DEVICE
 from sglang_ext.kernels.page_select import (
-    FlashInferTopRanked,
     fastest_top_ranked,
+    flashinfer_top_ranked,
     select_pages,
     select_tokens,
     torch_top_ranked,
@@ -56,8 +56,8 @@ def test_signed_and_infinite_scores_rank_by_value():
         check(scores.tolist(), [640, 300, 45, 17], budget=7, num_recent=1)
 
 
-FASTEST = fastest_top_ranked(DEVICE, max_rows=8)
-ON_FLASHINFER = isinstance(FASTEST, FlashInferTopRanked)
+FASTEST = fastest_top_ranked(DEVICE)
+ON_FLASHINFER = FASTEST is flashinfer_top_ranked
 
 
 @pytest.mark.skipif(not ON_FLASHINFER, reason="FlashInfer's top-k needs CUDA and flashinfer")
