@@ -31,7 +31,7 @@ def select_pages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DELTA's choice of K = budget pages with a recency window of L = num_recent pages.
 
-    page_scores [batch, max_pages] (entries past a request's last page are never read) ->
+    page_scores [batch, max_pages] (entries past a request's last page are ignored) ->
     (selected [batch, budget] int32, num_selected [batch] int32). ``by_importance`` orders the
     kept pages for ART's traversal instead of ascending: the recent pages, latest first, then
     the others by score, highest first. ``row_budget`` ([batch], each in [num_recent, budget])
