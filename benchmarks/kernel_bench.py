@@ -288,23 +288,21 @@ def rank_rows(inputs, budget_tokens: int, row_width: int, point: dict, info) -> 
 
 
 def ragged_top_ranked(max_rows: int):
-    """FlashInfer's radix top-k over each row's candidates only (O(candidates), not the row);
-    unordered, so a ranked use sorts the k winners by their rank keys (k-wide)."""
+    """FlashInfer's radix top-k over each row's candidates only (O(candidates), not the row).
+    Candidates are a prefix of the row, so their count is the mask's sum. Its winners come
+    unordered, which select_pages without row budgets or ART (what these rows time) accepts;
+    a row short of k gets ineligible indices after its winners, as ``TopRanked`` asks."""
     import flashinfer
-
-    from sglang_ext.kernels.page_select import _rank_keys
 
     offsets = torch.zeros(max_rows, dtype=torch.int32, device="cuda")
 
-    def top_ranked(scores, num_candidates, k, ranked=True):
+    def top_ranked(scores, eligible, k):
+        num_candidates = eligible.sum(dim=1, dtype=torch.int32)
         top = flashinfer.top_k_ragged_transform(
-            scores, offsets[: scores.shape[0]], num_candidates.int(), k,
+            scores, offsets[: scores.shape[0]], num_candidates, k,
             tie_break=flashinfer.topk.TopKTieBreak.SMALL, dsa_graph_safe=True,
         ).long()  # fmt: skip
-        if not ranked:
-            return top
-        keys = _rank_keys(scores.gather(1, top.clamp_min(0)), top >= 0, top)
-        return top.gather(1, keys.argsort(dim=1, descending=True))
+        return torch.where(top >= 0, top, num_candidates.long()[:, None])
 
     return top_ranked
 

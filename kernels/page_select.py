@@ -13,10 +13,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-# (scores [batch, n], num_candidates [batch] int, k, ranked) -> [batch, k] int64: the indices of
-# the k best among each row's first num_candidates entries (the rest of a row is ignored), -1
-# where a row has fewer. ``ranked``: best first, ties to the lower index; else in any order.
-TopRanked = Callable[[torch.Tensor, torch.Tensor, int, bool], torch.Tensor]
+# (scores [batch, n], eligible [batch, n] bool, k) -> [batch, k] indices of the k best eligible
+# entries, best first, ties to the lower index; with fewer than k eligible, ineligible ones follow.
+TopRanked = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 def select_pages(
@@ -39,22 +38,19 @@ def select_pages(
     ranks the candidates (default: torch's topk, the oracle; see ``fastest_top_ranked``).
     """
     assert 0 <= num_recent <= budget, "the recency window must fit in the budget"
-    batch, max_pages = page_scores.shape
-    device = page_scores.device
-    num_pages = (seq_lens.long() + page_size - 1) // page_size
-    num_candidates = (num_pages - num_recent).clamp_min(0)  # every page but the recent ones
+    max_pages = page_scores.shape[1]
+    page_ids = torch.arange(max_pages, device=page_scores.device)
+    num_pages = (seq_lens.long()[:, None] + page_size - 1) // page_size
+    candidate = page_ids < num_pages - num_recent  # exists and is not recent
+    # A top-k, not a sort: the score rows span the server's whole context (Tidal's: every token).
     num_top = min(budget - num_recent, max_pages)
-    ranked = by_importance or row_budget is not None
-    if num_top > 0:
-        top = (top_ranked or torch_top_ranked)(page_scores, num_candidates, num_top, ranked)
-    else:
-        top = torch.empty(batch, 0, dtype=torch.int64, device=device)
-    kept_top = top >= 0
-    if row_budget is not None:  # ranked best first: a row keeps its first K_row - L
-        rank = torch.arange(num_top, device=device)
+    top = (top_ranked or torch_top_ranked)(page_scores, candidate, num_top)
+    kept_top = candidate.gather(1, top)
+    if row_budget is not None:  # topk ranks best first: a row keeps its first K_row - L
+        rank = torch.arange(num_top, device=page_scores.device)
         kept_top &= rank < row_budget.long()[:, None] - num_recent
     top = torch.where(kept_top, top, max_pages)
-    recent = num_pages[:, None] - num_recent + torch.arange(num_recent, device=device)
+    recent = num_pages - num_recent + torch.arange(num_recent, device=page_scores.device)
     recent = torch.where(recent >= 0, recent, max_pages)
     if by_importance:
         kept = torch.cat([recent.flip(-1), top], dim=1)
@@ -70,43 +66,30 @@ def select_pages(
     return selected, valid.sum(dim=1, dtype=torch.int32)
 
 
-def torch_top_ranked(
-    scores: torch.Tensor, num_candidates: torch.Tensor, k: int, ranked: bool = True
-) -> torch.Tensor:
-    """The oracle: torch's topk over int64 rank keys of the whole row (always ranked)."""
-    index = torch.arange(scores.shape[1], device=scores.device)
-    eligible = index < num_candidates.long()[:, None]
-    top = _rank_keys(scores, eligible, index).topk(k, dim=1).indices
-    return torch.where(eligible.gather(1, top), top, -1)
+def torch_top_ranked(scores: torch.Tensor, eligible: torch.Tensor, k: int) -> torch.Tensor:
+    return _rank_keys(scores, eligible).topk(k, dim=1).indices
 
 
-def flashinfer_top_ranked(
-    scores: torch.Tensor, num_candidates: torch.Tensor, k: int, ranked: bool = True
-) -> torch.Tensor:
-    """FlashInfer's radix top-k (O(n) in the row) over the row with the non-candidates masked
-    to -inf, where torch's topk over int64 keys sorts: it dominates a TidalDecode selection over
-    every token of a long request. Its sorted, small-index tie-break mode keeps the rule (always
-    ranked); graph-safe mode because decode replays it from a CUDA graph. An eligible -inf becomes
-    the lowest finite float so that it still ranks above the ineligible.
-
-    FlashInfer's ``top_k_ragged_transform`` reads only each row's candidates and is faster alone
-    (benchmarks.kernel_bench ``rank_flashinfer_ragged_ms``), yet in the engine's decode step it
-    measured slower (DELTA, same run: RESULTS.md, 2026-11-24 A/B), so this one stays."""
+def flashinfer_top_ranked(scores: torch.Tensor, eligible: torch.Tensor, k: int) -> torch.Tensor:
+    """FlashInfer's radix top-k (O(n) in the row), where torch's topk over int64 keys sorts: it
+    dominates a TidalDecode selection over every token of a long request. Its sorted, small-index
+    tie-break mode keeps the rule; graph-safe mode because decode replays it from a CUDA graph.
+    An eligible -inf becomes the lowest finite float so that it still ranks above the ineligible."""
     import flashinfer
 
-    index = torch.arange(scores.shape[1], device=scores.device)
-    eligible = index < num_candidates.long()[:, None]
     lowest = torch.finfo(scores.dtype).min
     masked = torch.where(eligible, scores.clamp_min(lowest), float("-inf"))
     _, top = flashinfer.top_k(
         masked, k, sorted=True, tie_break=flashinfer.topk.TopKTieBreak.SMALL, dsa_graph_safe=True
     )
-    return torch.where(eligible.gather(1, top), top, -1)
+    return top
 
 
 def fastest_top_ranked(device: torch.device | str) -> TopRanked:
     """FlashInfer's top-k on CUDA where it is installed (measured: benchmarks.kernel_bench's
-    ``rank_*_ms`` rows and the decode step), torch's elsewhere."""
+    ``rank_*_ms`` rows), torch's elsewhere. FlashInfer's ragged top-k (each row's candidates only,
+    ``rank_flashinfer_ragged_ms``) is faster alone but measured slower in the engine's decode step
+    (RESULTS.md, 2026-11-24 A/B), so it is not used."""
     if torch.device(device).type == "cuda":
         try:
             import flashinfer.topk  # noqa: F401
@@ -116,14 +99,15 @@ def fastest_top_ranked(device: torch.device | str) -> TopRanked:
     return torch_top_ranked
 
 
-def _rank_keys(scores: torch.Tensor, eligible: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def _rank_keys(scores: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
     """int64 keys ordered as (score, then lower index first); ineligible entries rank last.
 
     The float's bits, flipped for negatives, order like the float; the low 32 bits break ties
     toward the lower index, which topk alone does not promise."""
     bits = (scores.float() + 0.0).view(torch.int32).long()  # + 0.0 turns -0.0 into 0.0
     ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    keys = (ordered << 32) | (0x7FFFFFFF - index.long())
+    index = torch.arange(scores.shape[1], device=scores.device)
+    keys = (ordered << 32) | (scores.shape[1] - 1 - index)
     return torch.where(eligible, keys, torch.iinfo(torch.int64).min)
 
 
