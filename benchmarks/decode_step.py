@@ -60,8 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_policy(args: argparse.Namespace, policy: str, log_path: Path) -> dict:
-    """The child's result for one policy: {kv_capacity_tokens, attention_backend, runs}."""
+def run_policy(
+    args: argparse.Namespace, policy: str, log_path: Path, extra_flags: tuple[str, ...] = ()
+) -> dict:
+    """The child's result for one policy: {kv_capacity_tokens, attention_backend, runs};
+    ``extra_flags`` go to SGLang's one-batch benchmark (benchmarks.decode_profile's profiler)."""
     one_batch_flags = [
         "--model-path", str(harness.shape_path(args.shape)),
         "--load-format", "dummy",
@@ -71,6 +74,7 @@ def run_policy(args: argparse.Namespace, policy: str, log_path: Path) -> dict:
         "--batch-size", *map(str, args.batch),
         "--input-len", *map(str, args.context),
         "--output-len", str(args.output_len),
+        *extra_flags,
     ]  # fmt: skip
     for flag, value in (("--max-running-requests", args.max_running_requests),
                         ("--cuda-graph-max-bs", args.cuda_graph_max_bs)):  # fmt: skip

@@ -14,6 +14,7 @@ a kernel is the K/V bytes it must read over a measured device-to-device copy ban
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import torch
@@ -263,9 +264,10 @@ def sparse_kernel_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
 
 def rank_rows(inputs, budget_tokens: int, row_width: int, point: dict, info) -> list[Row]:
     """The selection step alone (scores to kept slots) over a Tidal row (every token) and a DELTA
-    row (every page), rows ``row_width`` tokens wide: torch's top-k (the oracle), FlashInfer's over
-    the padded row (``flashinfer_top_ranked``, what ``fastest_top_ranked`` picks on CUDA) and
-    FlashInfer's over each row's candidates only (``top_k_ragged_transform``, the alternative)."""
+    row (every page), rows ``row_width`` tokens wide: ``select_pages`` with torch's top-k (the
+    oracle), with FlashInfer's over the padded row (``flashinfer_top_ranked``) and over each row's
+    candidates only (``top_k_ragged_transform``), and the one-kernel ``select_units_fused`` that
+    ``unit_chooser`` picks on CUDA (``rank_fused_ms``)."""
     from sglang_ext.kernels import page_select as ps
 
     rows = []
@@ -277,13 +279,20 @@ def rank_rows(inputs, budget_tokens: int, row_width: int, point: dict, info) -> 
     }
     for policy, (page, budget, recent) in widths.items():
         scores = torch.rand(inputs.batch, -(-row_width // page), device="cuda")
-        for ranker, top_ranked in rankers.items():
-
-            def select(top_ranked=top_ranked):
-                ps.select_pages(scores, inputs.seq_lens, budget, recent, page, top_ranked=top_ranked)
-
-            ms = time_ms(select)
-            rows.append(info.row(**point, policy=policy, metric=f"rank_{ranker}_ms", value=ms))
+        selects = {
+            f"rank_{ranker}_ms": functools.partial(
+                ps.select_pages, scores, inputs.seq_lens, budget, recent, page,
+                top_ranked=top_ranked,
+            )  # fmt: skip
+            for ranker, top_ranked in rankers.items()
+        }
+        selects["rank_fused_ms"] = functools.partial(
+            ps.select_units_fused, scores, inputs.seq_lens, budget, recent, page
+        )
+        fused, oracle = selects["rank_fused_ms"](), selects["rank_torch_ms"]()
+        assert torch.equal(fused[1], oracle[1]) and torch.equal(fused[0], oracle[0])
+        for metric, select in selects.items():
+            rows.append(info.row(**point, policy=policy, metric=metric, value=time_ms(select)))
     return rows
 
 

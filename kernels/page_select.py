@@ -8,10 +8,13 @@ shape, [batch, budget] int32 with the kept pages in ascending order then zeros, 
 so it can live inside a CUDA graph; short and long requests mix freely in one batch.
 """
 
+import functools
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 # (scores [batch, n], eligible [batch, n] bool, k) -> [batch, k] indices of the k best eligible
 # entries, best first, ties to the lower index; with fewer than k eligible, ineligible ones follow.
@@ -85,6 +88,32 @@ def flashinfer_top_ranked(scores: torch.Tensor, eligible: torch.Tensor, k: int) 
     return top
 
 
+def unit_chooser(
+    device: torch.device | str, budget: int, num_recent: int, page_size: int, by_importance: bool
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """``choose(scores, seq_lens, row_budget=None, out=None) -> (selected, num_selected)``, the
+    selection rule of ``select_pages`` by the fastest way on ``device``: the fused kernel on CUDA
+    (measured: benchmarks.kernel_bench's ``rank_fused_ms`` rows), else torch (and under ART,
+    whose importance order the kernel does not make). ``out`` receives the result in place."""
+    if torch.device(device).type == "cuda" and not by_importance:
+        return functools.partial(
+            select_units_fused, budget=budget, num_recent=num_recent, page_size=page_size
+        )
+    top_ranked = fastest_top_ranked(device)
+
+    def choose(scores, seq_lens, row_budget=None, out=None):
+        chosen = select_pages(
+            scores, seq_lens, budget, num_recent, page_size, by_importance, row_budget, top_ranked
+        )
+        if out is None:
+            return chosen
+        out[0].copy_(chosen[0])
+        out[1].copy_(chosen[1])
+        return out
+
+    return choose
+
+
 def fastest_top_ranked(device: torch.device | str) -> TopRanked:
     """FlashInfer's top-k on CUDA where it is installed (measured: benchmarks.kernel_bench's
     ``rank_*_ms`` rows), torch's elsewhere. FlashInfer's ragged top-k (each row's candidates only,
@@ -128,3 +157,133 @@ def select_tokens(
     return select_pages(
         token_scores, seq_lens, budget, num_recent, 1, by_importance, row_budget, top_ranked
     )
+
+
+# One Triton program per request does the whole choice where the torch path takes about fifteen
+# small kernels (mask, top-k, gather, cat, sort, pad): at batch 1 their launches, not their work,
+# cost most of a selection layer. It reads only the request's own units, not the padded row.
+_SELECT_BLOCK = 2048  # units per pass over a long row (Tidal's: every token)
+_SELECT_MAX_SINGLE = 8192  # a row up to this wide stays in registers (DELTA's pages at 128k)
+
+
+@triton.jit
+def _ordered_key(scores):
+    """uint32 keys that order like the fp32 scores (-0.0 as 0.0)."""
+    bits = (scores + 0.0).to(tl.int32, bitcast=True)
+    signed = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return signed.to(tl.uint32, bitcast=True) ^ 0x80000000
+
+
+@triton.jit
+def _select_kernel(
+    Scores,
+    SeqLens,
+    RowBudget,
+    Selected,
+    NumSelected,
+    stride_scores,
+    stride_selected,
+    budget,
+    num_recent,
+    PAGE: tl.constexpr,
+    HAS_ROW_BUDGET: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr,
+    BUDGET_BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    num_units = (tl.load(SeqLens + row).to(tl.int32) + PAGE - 1) // PAGE
+    num_candidates = tl.maximum(num_units - num_recent, 0)
+    row_budget = budget
+    if HAS_ROW_BUDGET:
+        row_budget = tl.load(RowBudget + row).to(tl.int32)
+    num_top = tl.maximum(tl.minimum(row_budget - num_recent, num_candidates), 0)
+    scores = Scores + row * stride_scores
+    selected = Selected + row * stride_selected
+    offs = tl.arange(0, BLOCK)
+
+    # The num_top-th largest key, built bit by bit from the top: the largest threshold with at
+    # least num_top candidate keys at or above it.
+    if SINGLE_BLOCK:
+        is_candidate = offs < num_candidates
+        keys = _ordered_key(tl.load(scores + offs, mask=is_candidate, other=0.0))
+    threshold = tl.zeros((), tl.uint32)
+    for bit in tl.static_range(31, -1, -1):
+        trial = threshold | (1 << bit)
+        if SINGLE_BLOCK:
+            count = tl.sum((is_candidate & (keys >= trial)).to(tl.int32))
+        else:
+            count = 0
+            for start in range(0, num_candidates, BLOCK):
+                idx = start + offs
+                chunk = _ordered_key(tl.load(scores + idx, mask=idx < num_candidates, other=0.0))
+                count += tl.sum(((idx < num_candidates) & (chunk >= trial)).to(tl.int32))
+        threshold = tl.where(count >= num_top, trial, threshold)
+
+    # Keep every key above the threshold and, of the keys equal to it, the lowest indices; the
+    # kept ones land in ascending order (a prefix sum gives each its place).
+    if SINGLE_BLOCK:
+        above = is_candidate & (keys > threshold)
+        tie = (is_candidate & (keys == threshold)).to(tl.int32)
+        ties_wanted = num_top - tl.sum(above.to(tl.int32))
+        keep = above | ((tie > 0) & (tl.cumsum(tie, 0) - tie < ties_wanted))
+        place = tl.cumsum(keep.to(tl.int32), 0) - keep.to(tl.int32)
+        tl.store(selected + place, offs, mask=keep)
+    else:
+        num_above = 0
+        for start in range(0, num_candidates, BLOCK):
+            idx = start + offs
+            chunk = _ordered_key(tl.load(scores + idx, mask=idx < num_candidates, other=0.0))
+            num_above += tl.sum(((idx < num_candidates) & (chunk > threshold)).to(tl.int32))
+        ties_wanted = num_top - num_above
+        written, ties_seen = 0, 0
+        for start in range(0, num_candidates, BLOCK):
+            idx = start + offs
+            is_candidate = idx < num_candidates
+            chunk = _ordered_key(tl.load(scores + idx, mask=is_candidate, other=0.0))
+            tie = (is_candidate & (chunk == threshold)).to(tl.int32)
+            tie_rank = ties_seen + tl.cumsum(tie, 0) - tie
+            keep = (is_candidate & (chunk > threshold)) | ((tie > 0) & (tie_rank < ties_wanted))
+            place = written + tl.cumsum(keep.to(tl.int32), 0) - keep.to(tl.int32)
+            tl.store(selected + place, idx, mask=keep)
+            written += tl.sum(keep.to(tl.int32))
+            ties_seen += tl.sum(tie)
+
+    # then the recent units, which follow every candidate, then zeros
+    num_kept_recent = num_units - num_candidates
+    slot = tl.arange(0, BUDGET_BLOCK)
+    is_recent = (slot >= num_top) & (slot < num_top + num_kept_recent)
+    tl.store(selected + slot, num_candidates + slot - num_top, mask=is_recent)
+    tl.store(selected + slot, 0, mask=(slot >= num_top + num_kept_recent) & (slot < budget))
+    tl.store(NumSelected + row, num_top + num_kept_recent)
+
+
+def select_units_fused(
+    scores: torch.Tensor,
+    seq_lens: torch.Tensor,
+    budget: int,
+    num_recent: int,
+    page_size: int,
+    row_budget: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``select_pages`` (ascending order, not ``by_importance``) in one kernel; the oracle is
+    ``select_pages``. ``scores`` [batch, n] fp32 must cover every unit of each request; ``out``
+    (selected [batch, budget] int32, num_selected [batch] int32) receives the result in place."""
+    assert 0 <= num_recent <= budget, "the recency window must fit in the budget"
+    batch, width = scores.shape
+    if out is None:
+        out = (
+            torch.empty(batch, budget, dtype=torch.int32, device=scores.device),
+            torch.empty(batch, dtype=torch.int32, device=scores.device),
+        )
+    selected, num_selected = out
+    single = width <= _SELECT_MAX_SINGLE
+    _select_kernel[(batch,)](
+        scores, seq_lens, seq_lens if row_budget is None else row_budget, selected, num_selected,
+        scores.stride(0), selected.stride(0), budget, num_recent,
+        PAGE=page_size, HAS_ROW_BUDGET=row_budget is not None,
+        BLOCK=triton.next_power_of_2(width) if single else _SELECT_BLOCK, SINGLE_BLOCK=single,
+        BUDGET_BLOCK=triton.next_power_of_2(budget), num_warps=8,
+    )  # fmt: skip
+    return selected, num_selected

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 
 import torch
-from sglang_ext.kernels.page_select import fastest_top_ranked, select_pages
+from sglang_ext.kernels.page_select import unit_chooser
 from sglang_ext.policies.base import DecodeContext
 from sglang_ext.policies.registry import register_policy
 from sglang_ext.policies.selection import LayerRole, Selection, SelectionPolicy, scaled_layers
@@ -42,15 +42,14 @@ class DeltaPolicy(SelectionPolicy):
 
     def selection(self, ctx: DecodeContext) -> Selection:
         attend_and_score = _selection_attention(ctx)
-        top_ranked = fastest_top_ranked(ctx.device)
+        choose_pages = unit_chooser(
+            ctx.device, self.budget_pages, self.recent_pages, PAGE_SIZE, ctx.art is not None
+        )
 
-        def choose(token_scores, page_scores, seq_lens, row_budget=None):
+        def choose(token_scores, page_scores, seq_lens, row_budget=None, out=None):
             if page_scores is None:
                 page_scores = page_sums(token_scores)
-            return select_pages(
-                page_scores, seq_lens, self.budget_pages, self.recent_pages, PAGE_SIZE,
-                by_importance=ctx.art is not None, row_budget=row_budget, top_ranked=top_ranked,
-            )  # fmt: skip
+            return choose_pages(page_scores, seq_lens, row_budget, out)
 
         return Selection(
             "pages", PAGE_SIZE, self.budget_pages, attend_and_score, choose, self.recent_pages

@@ -33,8 +33,9 @@ class Selection:
     """How a policy selects: units of ``page_size`` tokens, ``budget`` of them with the last
     ``num_recent`` always kept; ``attend_and_score`` runs a selection layer's full attention and
     returns (out, token_scores, page_scores or None); ``choose(token_scores, page_scores,
-    seq_lens, row_budget)`` returns (selected [batch, budget] int32, num_selected [batch] int32);
-    ``row_budget`` ([batch], or None: ``budget`` for all) is each request's own budget."""
+    seq_lens, row_budget, out=None)`` returns (selected [batch, budget] int32, num_selected [batch]
+    int32), written into ``out`` when given; ``row_budget`` ([batch], or None: ``budget`` for all)
+    is each request's own budget."""
 
     unit: str  # "pages" or "tokens", for logs
     page_size: int
@@ -206,13 +207,12 @@ class SelectionDecoder:
             token_scores, page_scores = self.ctx.max_across_ranks(token_scores), None
         batch = q.shape[0]
         row_budget = None if self.row_budget is None else self.row_budget[:batch]
-        selected, num_selected = self.rule.choose(
-            token_scores, page_scores, forward_batch.seq_lens, row_budget
-        )
-        self.selected[:batch].copy_(selected)
-        self.num_selected[:batch].copy_(num_selected)
+        self.rule.choose(
+            token_scores, page_scores, forward_batch.seq_lens, row_budget,
+            out=(self.selected[:batch], self.num_selected[:batch]),
+        )  # fmt: skip
         if self._first_trim_unlogged and self._trims(forward_batch):
-            self._log_selection(layer.layer_id, forward_batch.seq_lens, num_selected)
+            self._log_selection(layer.layer_id, forward_batch.seq_lens, self.num_selected[:batch])
         return out.view(batch, -1)
 
     def _gather_row_budgets(self, forward_batch) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from sglang_ext.kernels.page_select import fastest_top_ranked, select_tokens
+from sglang_ext.kernels.page_select import unit_chooser
 from sglang_ext.policies.base import DecodeContext
 from sglang_ext.policies.registry import register_policy
 from sglang_ext.policies.selection import Selection, SelectionPolicy, scaled_layers
@@ -50,13 +50,12 @@ class TidalPolicy(SelectionPolicy):
 
     def selection(self, ctx: DecodeContext) -> Selection:
         attend_and_score = _selection_attention(ctx)
-        top_ranked = fastest_top_ranked(ctx.device)
+        choose_tokens = unit_chooser(
+            ctx.device, self.budget_tokens, self.recent_tokens, 1, ctx.art is not None
+        )
 
-        def choose(token_scores, page_scores, seq_lens, row_budget=None):
-            return select_tokens(
-                token_scores, seq_lens, self.budget_tokens, self.recent_tokens,
-                by_importance=ctx.art is not None, row_budget=row_budget, top_ranked=top_ranked,
-            )  # fmt: skip
+        def choose(token_scores, page_scores, seq_lens, row_budget=None, out=None):
+            return choose_tokens(token_scores, seq_lens, row_budget, out)
 
         return Selection(
             "tokens", 1, self.budget_tokens, attend_and_score, choose, self.recent_tokens

@@ -3,7 +3,7 @@ which vanilla run a policy's greedy tokens are compared with, and a decode step'
 
 import pytest
 
-from benchmarks import decode_step, e2e, harness
+from benchmarks import decode_profile, decode_step, e2e, harness
 
 
 def test_rows_name_each_policys_budget_from_its_config():
@@ -60,3 +60,28 @@ def test_each_measured_decode_step_point_is_judged_against_its_floor():
     assert found[100, "decode_step_latency_over_floor"].value == pytest.approx(0.01 / floor)
     # a point that did not fit is skipped, with no floor to compare against
     assert found[5000, "decode_step_latency_s"].skipped and (5000, "decode_step_floor_latency_s") not in found
+
+
+def test_a_profile_gives_each_kernels_time_per_step_and_sums_the_rest(tmp_path):
+    import gzip
+    import json
+
+    events = [
+        {"cat": "kernel", "name": "void flashinfer::BatchDecodeKernel<128u>(float*)", "dur": 10.0},
+        {"cat": "kernel", "name": "_stage1", "dur": 5.0},
+        {"cat": "kernel", "name": "_stage1", "dur": 7.0},
+        {"cat": "kernel", "name": "_scores_kernel", "dur": 1.0},
+        {"cat": "cpu_op", "name": "aten::mm", "dur": 99.0},  # host time is not GPU time
+    ]
+    trace = tmp_path / "p_batch1_input32768_output8_decode.trace.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    times = decode_profile.kernel_times_us(trace)
+    assert set(times) == {"BatchDecodeKernel", "_stage1", "_scores_kernel"}
+    point = dict(bench="decode_profile", policy="delta", model_shape="s", batch=1, context=32768)
+    info = harness.RunInfo("GPU", "0.5.17", "2.11", "2026-11-24", "cmd")
+    rows = {r.metric: r.value for r in decode_profile.profile_rows(point, times, 2, 1, info)}
+    assert rows == pytest.approx({
+        "kernel_ms:_stage1": 0.006, "kernel_ms:(other)": 0.0055,
+        "kernels_per_step": 2.0, "gpu_busy_ms": 0.0115,
+    })  # fmt: skip

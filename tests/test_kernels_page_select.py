@@ -3,12 +3,15 @@
 import pytest
 import torch
 from kernel_cases import DEVICE
+from sglang_ext.kernels import page_select
 from sglang_ext.kernels.page_select import (
     fastest_top_ranked,
     flashinfer_top_ranked,
     select_pages,
     select_tokens,
+    select_units_fused,
     torch_top_ranked,
+    unit_chooser,
 )
 
 
@@ -78,6 +81,17 @@ def test_flashinfer_top_k_keeps_the_rule_ties_and_widths_included():
         assert torch.equal(ours[0], oracle[0]) and torch.equal(ours[1], oracle[1])
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="long rows: minutes under the interpreter")
+def test_fused_selection_keeps_the_rule_over_long_rows():
+    gen = torch.Generator().manual_seed(4)
+    lens = torch.tensor([1, 17, 300, 640, 5000, 33000, 131000], dtype=torch.int32, device=DEVICE)
+    scores = (torch.randint(-3, 3, (len(lens), 131000), generator=gen).float() * 0.75).to(DEVICE)
+    own = torch.tensor([1024, 7, 1024, 300, 1024, 513, 1024], device=DEVICE)
+    assert_fused_matches_oracle(scores, lens, 1024, 1, 1)  # Tidal: every token
+    assert_fused_matches_oracle(scores, lens, 1024, 1, 1, own)
+    assert_fused_matches_oracle(torch.rand(len(lens), 8188, device=DEVICE), lens, 64, 8, 16)
+
+
 @pytest.mark.skipif(not ON_FLASHINFER, reason="FlashInfer's top-k needs CUDA and flashinfer")
 def test_flashinfer_top_k_never_ranks_what_lies_past_a_request():
     # NaN past each request's end: a top-k over the unmasked row would rank it
@@ -88,6 +102,32 @@ def test_flashinfer_top_k_never_ranks_what_lies_past_a_request():
     ours = select_tokens(scores, lens, budget=513, top_ranked=flashinfer_top_ranked)
     oracle = select_tokens(scores.nan_to_num(-1.0), lens, budget=513, top_ranked=torch_top_ranked)
     assert torch.equal(ours[0], oracle[0]) and torch.equal(ours[1], oracle[1])
+
+
+def assert_fused_matches_oracle(scores, lens, budget, num_recent, page_size, own=None):
+    oracle = select_pages(scores, lens, budget, num_recent, page_size, row_budget=own)
+    selected = torch.full((len(lens) + 1, budget), -7, dtype=torch.int32, device=DEVICE)
+    count = torch.full((len(lens) + 1,), -7, dtype=torch.int32, device=DEVICE)
+    # written in place into the first rows of larger buffers, as the decoder's
+    select_units_fused(scores, lens, budget, num_recent, page_size, own, out=(selected[1:], count[1:]))
+    assert torch.equal(selected[1:], oracle[0]) and torch.equal(count[1:], oracle[1])
+    assert (selected[0] == -7).all() and count[0] == -7
+
+
+@pytest.mark.parametrize("one_pass", [True, False], ids=["row-in-registers", "row-in-passes"])
+def test_fused_selection_keeps_the_rule(one_pass, monkeypatch):
+    if not one_pass:  # a long row (Tidal's tokens) is read in passes of _SELECT_BLOCK units
+        monkeypatch.setattr(page_select, "_SELECT_MAX_SINGLE", 64)
+        monkeypatch.setattr(page_select, "_SELECT_BLOCK", 32)
+    gen = torch.Generator().manual_seed(3)
+    lens = torch.tensor([1, 5, 16, 17, 37, 300, 513, 600], dtype=torch.int32, device=DEVICE)
+    ties = torch.randint(-3, 3, (len(lens), 600), generator=gen).float().to(DEVICE) * 0.75
+    ties[0, 0], ties[5, 3], ties[6, 5] = float("-inf"), float("-inf"), -0.0
+    own = torch.tensor([1, 2, 3, 4, 5, 6, 40, 2], dtype=torch.float32, device=DEVICE)
+    assert_fused_matches_oracle(ties, lens, 40, 1, 1, own)  # tokens, each row its own budget
+    assert_fused_matches_oracle(ties, lens, 7, 0, 1)  # no recency window
+    assert_fused_matches_oracle(ties[:, :40], lens, 6, 2, 16)  # pages
+    assert_fused_matches_oracle(ties[:, :40], lens, 3, 3, 16)  # recent pages only
 
 
 def test_ties_go_to_the_lower_page():
@@ -159,5 +199,6 @@ def test_selection_never_syncs_with_the_host():
         select_tokens(scores, seq_lens, budget=8)
         select_pages(scores, seq_lens, budget=8, num_recent=2, row_budget=seq_lens // 100 + 2)
         select_tokens(scores, seq_lens, budget=8, top_ranked=fastest_top_ranked(DEVICE))
+        unit_chooser(DEVICE, 8, 2, 16, by_importance=False)(scores, seq_lens, seq_lens // 100 + 2)
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -1,0 +1,102 @@
+"""Where a decode step's GPU time goes, kernel by kernel, per policy and for vanilla SGLang in the
+same run: SGLang's one-batch benchmark under the torch profiler (CUDA graphs on, dummy weights).
+
+    python -m benchmarks.decode_profile --shape qwen1.5b --policies vanilla@fa3,delta,tidal \\
+        --batch 1 --context 32768 --skip-prefill-compute
+
+Per policy and point, rows of each kernel's GPU time per decode step (``kernel_ms:NAME``, the
+``--top`` longest, the rest summed as ``kernel_ms:(other)``), the kernels launched per step
+(``kernels_per_step``) and their summed time (``gpu_busy_ms``). The profiled steps are not the
+timed ones: benchmarks.decode_step measures latency without the profiler.
+"""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from benchmarks import decode_step, harness
+from benchmarks.harness import Row, RunInfo
+
+BENCH = "decode_profile"
+
+
+def build_parser():
+    parser = decode_step.build_parser()
+    parser.prog, parser.description = f"python -m benchmarks.{BENCH}", __doc__.split("\n\n")[0]
+    parser.set_defaults(batch=[1], context=[32768], output_len=8)
+    parser.add_argument("--profile-steps", type=int, default=3, help="decode steps profiled")
+    parser.add_argument("--top", type=int, default=14, help="kernels named per policy and point")
+    return parser
+
+
+def kernel_times_us(trace_path: Path) -> dict[str, list[float]]:
+    """Each GPU kernel's durations (µs) in a torch-profiler chrome trace, by kernel name."""
+    with gzip.open(trace_path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    times = collections.defaultdict(list)
+    for event in events:
+        if event.get("cat") == "kernel":
+            times[short_name(event["name"])].append(float(event["dur"]))
+    return times
+
+
+def short_name(kernel: str) -> str:
+    """A kernel's name without template arguments and namespaces, up to 60 characters."""
+    name = re.sub(r"<.*", "", kernel.split("(")[0]).strip()
+    return name.rsplit("::", 1)[-1][:60] or kernel[:60]
+
+
+def profile_rows(point: dict, times: dict[str, list[float]], steps: int, top: int, info) -> list:
+    per_step = {name: sum(durations) / steps / 1e3 for name, durations in times.items()}
+    ranked = sorted(per_step.items(), key=lambda item: -item[1])
+    rows = [info.row(**point, metric=f"kernel_ms:{name}", value=ms) for name, ms in ranked[:top]]
+    rows.append(
+        info.row(**point, metric="kernel_ms:(other)", value=sum(ms for _, ms in ranked[top:]))
+    )
+    launched = sum(len(durations) for durations in times.values()) / steps
+    rows += [
+        info.row(**point, metric="kernels_per_step", value=launched),
+        info.row(**point, metric="gpu_busy_ms", value=sum(per_step.values())),
+    ]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    harness.shape_path(args.shape)
+    info = RunInfo.detect()
+    log_dir = args.log_dir or args.out_dir
+    log_dir.mkdir(parents=True, exist_ok=True)
+    kv_source = "synthetic" if args.skip_prefill_compute else "real"
+    rows: list[Row] = []
+    for policy in args.policies:
+        log_path = log_dir / f"{BENCH}-{args.shape}-{policy}.log"
+        print(f"{BENCH}: {policy} on {args.shape} ({info.device}), log {log_path}", flush=True)
+        with tempfile.TemporaryDirectory() as traces:
+            flags = (
+                "--profile", "--profile-stage", "decode", "--profile-activities", "GPU",
+                "--profile-start-step", str(args.output_len - 1 - args.profile_steps),
+                "--profile-steps", str(args.profile_steps), "--profile-prefix", "p",
+            )  # fmt: skip
+            os.environ["SGLANG_TORCH_PROFILER_DIR"] = traces  # where one_batch writes traces
+            result = decode_step.run_policy(args, policy, log_path, flags)
+            for trace in sorted(Path(traces).glob("p_batch*_decode.trace.json.gz")):
+                batch, context = map(int, re.findall(r"batch(\d+)_input(\d+)", trace.name)[0])
+                point = dict(
+                    bench=BENCH, policy=policy, model_shape=args.shape, batch=batch,
+                    context=context, attention_backend=result["backend_flag"], kv_source=kv_source,
+                    budget=harness.policy_budget(policy, args.policy_config),
+                )  # fmt: skip
+                times = kernel_times_us(trace)
+                rows += profile_rows(point, times, args.profile_steps, args.top, info)
+    harness.save_results(BENCH, harness.run_label(args), rows, info, args.out_dir, args.results_md)
+
+
+if __name__ == "__main__":
+    main()
