@@ -8,7 +8,6 @@ shape, [batch, budget] int32 with the kept pages in ascending order then zeros, 
 so it can live inside a CUDA graph; short and long requests mix freely in one batch.
 """
 
-import functools
 from typing import Callable
 
 import torch
@@ -95,13 +94,14 @@ def unit_chooser(
     selection rule of ``select_pages`` by the fastest way on ``device``: the fused kernel on CUDA
     (measured: benchmarks.kernel_bench's ``rank_fused_ms`` rows), else torch (and under ART,
     whose importance order the kernel does not make). ``out`` receives the result in place."""
-    if torch.device(device).type == "cuda" and not by_importance:
-        return functools.partial(
-            select_units_fused, budget=budget, num_recent=num_recent, page_size=page_size
-        )
+    fused = torch.device(device).type == "cuda" and not by_importance
     top_ranked = fastest_top_ranked(device)
 
     def choose(scores, seq_lens, row_budget=None, out=None):
+        if fused:
+            return select_units_fused(
+                scores, seq_lens, budget, num_recent, page_size, row_budget, out
+            )
         chosen = select_pages(
             scores, seq_lens, budget, num_recent, page_size, by_importance, row_budget, top_ranked
         )
@@ -175,6 +175,32 @@ def _ordered_key(scores):
 
 
 @triton.jit
+def _radix_threshold(scores, num_candidates, num_top, offs, BLOCK: tl.constexpr):
+    """(The num_top-th largest key of scores[:num_candidates], how many keys equal to it are
+    among the top num_top): each pass counts one byte of the keys whose higher bytes match the
+    threshold's so far, and picks the byte in which the num_top-th falls."""
+    prefix = tl.zeros((), tl.uint32)
+    known = tl.zeros((), tl.uint32)  # the bits of prefix decided so far
+    wanted = num_top  # how many of the keys matching prefix are still to be taken
+    bins = tl.arange(0, 256)
+    for shift in tl.static_range(24, -1, -8):
+        counts = tl.zeros([256], tl.int32)
+        for start in range(0, num_candidates, BLOCK):
+            idx = start + offs
+            in_row = idx < num_candidates
+            key = _ordered_key(tl.load(scores + idx, mask=in_row, other=0.0))
+            in_play = in_row & ((key & known) == prefix)
+            counts += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=in_play)
+        above = tl.sum(counts) - tl.cumsum(counts, 0)  # keys in play whose byte is above the bin
+        byte = tl.max(tl.where((above < wanted) & (above + counts >= wanted), bins, 0))
+        wanted -= tl.sum(tl.where(bins == byte, above, 0))
+        prefix |= byte.to(tl.uint32) << shift
+        known |= tl.full((), 0xFF, tl.uint32) << shift
+    none = tl.full((), 0xFFFFFFFF, tl.uint32)  # num_top 0: nothing is above the threshold
+    return tl.where(num_top > 0, prefix, none), tl.where(num_top > 0, wanted, 0)
+
+
+@triton.jit
 def _select_kernel(
     Scores,
     SeqLens,
@@ -202,40 +228,28 @@ def _select_kernel(
     selected = Selected + row * stride_selected
     offs = tl.arange(0, BLOCK)
 
-    # The num_top-th largest key, built bit by bit from the top: the largest threshold with at
-    # least num_top candidate keys at or above it.
-    if SINGLE_BLOCK:
+    # The num_top-th largest candidate key (the threshold), and how many keys equal to it to keep
+    if SINGLE_BLOCK:  # the row in registers: the largest key with num_top at or above it, by bits
         is_candidate = offs < num_candidates
         keys = _ordered_key(tl.load(scores + offs, mask=is_candidate, other=0.0))
-    threshold = tl.zeros((), tl.uint32)
-    for bit in tl.static_range(31, -1, -1):
-        trial = threshold | (1 << bit)
-        if SINGLE_BLOCK:
+        threshold = tl.zeros((), tl.uint32)
+        for bit in tl.static_range(31, -1, -1):
+            trial = threshold | (1 << bit)
             count = tl.sum((is_candidate & (keys >= trial)).to(tl.int32))
-        else:
-            count = 0
-            for start in range(0, num_candidates, BLOCK):
-                idx = start + offs
-                chunk = _ordered_key(tl.load(scores + idx, mask=idx < num_candidates, other=0.0))
-                count += tl.sum(((idx < num_candidates) & (chunk >= trial)).to(tl.int32))
-        threshold = tl.where(count >= num_top, trial, threshold)
+            threshold = tl.where(count >= num_top, trial, threshold)
+        ties_wanted = num_top - tl.sum((is_candidate & (keys > threshold)).to(tl.int32))
+    else:  # a long row: one pass per byte of the key
+        threshold, ties_wanted = _radix_threshold(scores, num_candidates, num_top, offs, BLOCK)
 
     # Keep every key above the threshold and, of the keys equal to it, the lowest indices; the
     # kept ones land in ascending order (a prefix sum gives each its place).
     if SINGLE_BLOCK:
-        above = is_candidate & (keys > threshold)
         tie = (is_candidate & (keys == threshold)).to(tl.int32)
-        ties_wanted = num_top - tl.sum(above.to(tl.int32))
-        keep = above | ((tie > 0) & (tl.cumsum(tie, 0) - tie < ties_wanted))
+        tie_rank = tl.cumsum(tie, 0) - tie
+        keep = (is_candidate & (keys > threshold)) | ((tie > 0) & (tie_rank < ties_wanted))
         place = tl.cumsum(keep.to(tl.int32), 0) - keep.to(tl.int32)
         tl.store(selected + place, offs, mask=keep)
     else:
-        num_above = 0
-        for start in range(0, num_candidates, BLOCK):
-            idx = start + offs
-            chunk = _ordered_key(tl.load(scores + idx, mask=idx < num_candidates, other=0.0))
-            num_above += tl.sum(((idx < num_candidates) & (chunk > threshold)).to(tl.int32))
-        ties_wanted = num_top - num_above
         written, ties_seen = 0, 0
         for start in range(0, num_candidates, BLOCK):
             idx = start + offs

@@ -108,8 +108,9 @@ def assert_fused_matches_oracle(scores, lens, budget, num_recent, page_size, own
     oracle = select_pages(scores, lens, budget, num_recent, page_size, row_budget=own)
     selected = torch.full((len(lens) + 1, budget), -7, dtype=torch.int32, device=DEVICE)
     count = torch.full((len(lens) + 1,), -7, dtype=torch.int32, device=DEVICE)
-    # written in place into the first rows of larger buffers, as the decoder's
-    select_units_fused(scores, lens, budget, num_recent, page_size, own, out=(selected[1:], count[1:]))
+    # written in place into rows of larger buffers, as the decoder's
+    out = (selected[1:], count[1:])
+    select_units_fused(scores, lens, budget, num_recent, page_size, own, out=out)
     assert torch.equal(selected[1:], oracle[0]) and torch.equal(count[1:], oracle[1])
     assert (selected[0] == -7).all() and count[0] == -7
 
