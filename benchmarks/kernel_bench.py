@@ -26,7 +26,7 @@ from benchmarks.harness import Row, RunInfo
 
 BENCH = "kernel_bench"
 PAGE = 16
-PARTS = ("layers", "rank", "sparse")
+PARTS = ("layers", "rank", "sparse", "tune")
 
 
 def build_parser():
@@ -38,7 +38,8 @@ def build_parser():
     parser.add_argument(
         "--parts", type=harness.name_list, default=list(PARTS),
         help="which rows: layers (per-layer and per-step times, floors), rank (the selection "
-        "step's top-k), sparse (our sparse kernel against FlashInfer's paged decode)",
+        "step's top-k), sparse (our sparse kernel against FlashInfer's paged decode), tune "
+        "(split-KV stage 1's tile, warps and pipeline stages)",
     )  # fmt: skip
     return parser
 
@@ -155,6 +156,51 @@ def measure_point(cfg, batch, context, args, bandwidth, info) -> list[Row]:
         rows += rank_rows(inputs, args.budget_tokens, width, point, info)
     if "sparse" in args.parts:
         rows += sparse_kernel_rows(inputs, args.budget_tokens, point, info)
+    if "tune" in args.parts:
+        rows += stage1_tuning_rows(inputs, args.budget_tokens, point, info)
+    return rows
+
+
+def stage1_tuning_rows(inputs, budget_tokens: int, point: dict, info) -> list[Row]:
+    """Our split-KV kernel under each stage-1 launch (``Stage1Launch``) as a selection layer runs
+    it (the whole cache, logits stored) and as a DELTA sparse layer does (16-token pages spread
+    over the cache): ``stage1_ms:<kind>:bn<block_n>-w<warps>-s<stages>``, the default marked."""
+    import itertools
+
+    from sglang_ext.kernels.split_kv_decode import STAGE1, SplitKVWorkspace, Stage1Launch
+    from sglang_ext.kernels.split_kv_decode import split_kv_decode
+
+    batch, q_heads, dim = inputs.q.shape
+    kv_heads = inputs.k.shape[1]
+    pages = min(budget_tokens, inputs.context) // PAGE
+    stride = inputs.context // PAGE // pages
+    chosen = torch.arange(pages, device="cuda", dtype=torch.int32) * stride
+    sparse = {
+        "selected": chosen.expand(batch, pages).contiguous(),
+        "num_selected": torch.full((batch,), pages, device="cuda", dtype=torch.int32),
+        "selected_span": PAGE,
+    }
+    logits = torch.empty(batch, q_heads, inputs.context, device="cuda", dtype=torch.float32)
+    kinds = {
+        "select": ({"logits": logits}, inputs.context),
+        "sparse": (sparse, pages * PAGE),
+    }
+    out = torch.empty_like(inputs.q)
+    rows = []
+    for kind, (extra, tokens) in kinds.items():
+        workspace = SplitKVWorkspace(batch, q_heads, kv_heads, dim, tokens, "cuda")
+        for block_n, warps, stages in itertools.product((32, 64), (4, 8), (1, 2, 3, 4)):
+            launch = Stage1Launch(block_n, warps, stages)
+
+            def run(launch=launch, extra=extra, workspace=workspace):
+                split_kv_decode(
+                    *inputs.cache(), inputs.scale, **extra, workspace=workspace, out=out,
+                    launch=launch,
+                )  # fmt: skip
+
+            name = f"bn{block_n}-w{warps}-s{stages}" + ("*" if launch == STAGE1 else "")
+            metric = f"stage1_ms:{name}"
+            rows.append(info.row(**point, policy=kind, metric=metric, value=time_ms(run)))
     return rows
 
 

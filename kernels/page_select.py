@@ -163,7 +163,7 @@ def select_tokens(
 # small kernels (mask, top-k, gather, cat, sort, pad): at batch 1 their launches, not their work,
 # cost most of a selection layer. It reads only the request's own units, not the padded row.
 _SELECT_BLOCK = 2048  # units per pass over a long row (Tidal's: every token)
-_SELECT_MAX_SINGLE = 8192  # a row up to this wide stays in registers (DELTA's pages at 128k)
+_SELECT_MAX_SINGLE = 4096  # a row up to this wide stays in registers (DELTA's pages at 64k)
 
 
 @triton.jit
@@ -175,29 +175,21 @@ def _ordered_key(scores):
 
 
 @triton.jit
-def _radix_threshold(scores, num_candidates, num_top, offs, BLOCK: tl.constexpr):
-    """(The num_top-th largest key of scores[:num_candidates], how many keys equal to it are
-    among the top num_top): each pass counts one byte of the keys whose higher bytes match the
-    threshold's so far, and picks the byte in which the num_top-th falls."""
-    prefix = tl.zeros((), tl.uint32)
-    known = tl.zeros((), tl.uint32)  # the bits of prefix decided so far
-    wanted = num_top  # how many of the keys matching prefix are still to be taken
-    bins = tl.arange(0, 256)
-    for shift in tl.static_range(24, -1, -8):
-        counts = tl.zeros([256], tl.int32)
-        for start in range(0, num_candidates, BLOCK):
-            idx = start + offs
-            in_row = idx < num_candidates
-            key = _ordered_key(tl.load(scores + idx, mask=in_row, other=0.0))
-            in_play = in_row & ((key & known) == prefix)
-            counts += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=in_play)
-        above = tl.sum(counts) - tl.cumsum(counts, 0)  # keys in play whose byte is above the bin
-        byte = tl.max(tl.where((above < wanted) & (above + counts >= wanted), bins, 0))
-        wanted -= tl.sum(tl.where(bins == byte, above, 0))
-        prefix |= byte.to(tl.uint32) << shift
-        known |= tl.full((), 0xFF, tl.uint32) << shift
-    none = tl.full((), 0xFFFFFFFF, tl.uint32)  # num_top 0: nothing is above the threshold
-    return tl.where(num_top > 0, prefix, none), tl.where(num_top > 0, wanted, 0)
+def _count_at_least(
+    scores, keys, num_candidates, trials, offs, BLOCK: tl.constexpr, IN_REGS: tl.constexpr
+):
+    """For each of ``trials`` (uint32 [n]), how many candidate keys are at or above it: from
+    ``keys`` when the row is in registers, else read from ``scores`` a block at a time."""
+    if IN_REGS:
+        at_least = (offs < num_candidates)[:, None] & (keys[:, None] >= trials[None, :])
+        return tl.sum(at_least.to(tl.int32), 0)
+    counts = tl.zeros(trials.shape, tl.int32)
+    for start in range(0, num_candidates, BLOCK):
+        idx = start + offs
+        in_row = idx < num_candidates
+        key = _ordered_key(tl.load(scores + idx, mask=in_row, other=0.0))
+        counts += tl.sum((in_row[:, None] & (key[:, None] >= trials[None, :])).to(tl.int32), 0)
+    return counts
 
 
 @triton.jit
@@ -228,22 +220,26 @@ def _select_kernel(
     selected = Selected + row * stride_selected
     offs = tl.arange(0, BLOCK)
 
-    # The num_top-th largest candidate key (the threshold), and how many keys equal to it to keep
-    if SINGLE_BLOCK:  # the row in registers: the largest key with num_top at or above it, by bits
-        is_candidate = offs < num_candidates
-        keys = _ordered_key(tl.load(scores + offs, mask=is_candidate, other=0.0))
-        threshold = tl.zeros((), tl.uint32)
-        for bit in tl.static_range(31, -1, -1):
-            trial = threshold | (1 << bit)
-            count = tl.sum((is_candidate & (keys >= trial)).to(tl.int32))
-            threshold = tl.where(count >= num_top, trial, threshold)
-        ties_wanted = num_top - tl.sum((is_candidate & (keys > threshold)).to(tl.int32))
-    else:  # a long row: one pass per byte of the key
-        threshold, ties_wanted = _radix_threshold(scores, num_candidates, num_top, offs, BLOCK)
+    # The threshold: the largest key with at least num_top candidate keys at or above it (the
+    # num_top-th largest), found four bits a pass by counting at 16 trial values at once.
+    keys = offs  # unread unless the row is in registers
+    if SINGLE_BLOCK:
+        keys = _ordered_key(tl.load(scores + offs, mask=offs < num_candidates, other=0.0))
+    nibbles = tl.arange(0, 16).to(tl.uint32)
+    threshold = tl.zeros((), tl.uint32)
+    for shift in tl.static_range(28, -1, -4):
+        trials = threshold | (nibbles << shift)
+        counts = _count_at_least(scores, keys, num_candidates, trials, offs, BLOCK, SINGLE_BLOCK)
+        threshold |= tl.max(tl.where(counts >= num_top, nibbles, 0)) << shift
+    just_above = tl.zeros(nibbles.shape, tl.uint32) + (threshold + 1)
+    above = _count_at_least(scores, keys, num_candidates, just_above, offs, BLOCK, SINGLE_BLOCK)
+    # with num_top 0 the threshold is the largest key: nothing above it, no tie wanted
+    ties_wanted = num_top - tl.where(threshold == 0xFFFFFFFF, 0, tl.max(above))
 
     # Keep every key above the threshold and, of the keys equal to it, the lowest indices; the
     # kept ones land in ascending order (a prefix sum gives each its place).
     if SINGLE_BLOCK:
+        is_candidate = offs < num_candidates
         tie = (is_candidate & (keys == threshold)).to(tl.int32)
         tie_rank = tl.cumsum(tie, 0) - tie
         keep = (is_candidate & (keys > threshold)) | ((tie > 0) & (tie_rank < ties_wanted))

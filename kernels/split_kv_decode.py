@@ -9,6 +9,7 @@ LSE = -inf), the final LSE is returned, and stage 1 can also store the scaled lo
 scoring. Lengths stay on the device and grids depend on shapes only: launches are CUDA-graph safe.
 """
 
+import dataclasses
 import functools
 import os
 
@@ -16,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK_N = 32  # tokens per inner step; also the split granularity, like SGLang's MIN_BLOCK_KV
+_BLOCK_N = 32  # the split granularity, like SGLang's MIN_BLOCK_KV
 # A grid of about this many programs per SM hides memory latency; a fixed split count left most
 # SMs idle at small batches (8 splits x 2 KV heads = 16 programs on 132 SMs at batch 1).
 PROGRAMS_PER_SM = 4
@@ -24,6 +25,19 @@ MAX_KV_SPLITS = 128
 # Triton's interpreter multiplies bf16 tl.dot operands as raw uint16 bits (triton 3.8), so under it
 # the dots run on fp32 copies; compiled kernels keep native-dtype tensor-core dots.
 _DOT_IN_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage1Launch:
+    """Stage 1's tile and launch: tokens per inner step (a multiple of _BLOCK_N), warps and
+    software-pipeline stages (benchmarks.kernel_bench --parts tune measures the choices)."""
+
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+STAGE1 = Stage1Launch()
 
 
 @triton.jit
@@ -274,6 +288,7 @@ def split_kv_decode(
     num_kv_splits: int | None = None,
     workspace: SplitKVWorkspace | None = None,
     out: torch.Tensor | None = None,
+    launch: Stage1Launch = STAGE1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of q [batch, q_heads, dim] over each request's cache.
 
@@ -317,10 +332,10 @@ def split_kv_decode(
         mid_lse.stride(0), mid_lse.stride(1),
         logits_arg.stride(0), logits_arg.stride(1), logits_arg.shape[-1], num_kv_splits,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=_BLOCK_N,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=launch.block_n,
         SELECTED_SPAN=selected_span if sparse else 0, INDIRECT_ROWS=selected_rows is not None,
         STORE_LOGITS=logits is not None, DOT_IN_FP32=_DOT_IN_FP32,
-        num_warps=4, num_stages=2,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     merge_splits(mid_out, mid_lse, out, lse)
     return out, lse

@@ -147,3 +147,27 @@ def test_workspace_and_indirect_rows_give_the_allocating_kernel_result():
     out, lse = split_kv_decode(**common, selected=table, selected_rows=rows, workspace=workspace)
     torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(lse, expected_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("block_n,warps,stages", [(64, 8, 1), (64, 4, 3)])
+def test_every_stage1_launch_computes_the_same_attention(block_n, warps, stages):
+    """kernel_bench's tuning rows compare launches: each must compute what the oracle does."""
+    from sglang_ext.kernels.split_kv_decode import Stage1Launch, split_kv_decode
+
+    batch, sm_scale = make_batch(torch.bfloat16)
+    launch = Stage1Launch(block_n, warps, stages)
+    logits = torch.full((3, 6, 96), float("nan"), device=DEVICE)
+    out, _ = split_kv_decode(**batch, sm_scale=sm_scale, logits=logits, launch=launch)
+    expected, _ = selection_attention_ref(**batch, sm_scale=sm_scale)
+    torch.testing.assert_close(out, expected, **OUT_TOL[torch.bfloat16])
+    for b, n in enumerate(SEQ_LENS):  # every attended position's logits stored
+        assert not logits[b, :, :n].isnan().any() and logits[b, :, n:].isnan().all()
+    selected, count = selection([[0], [2, 0], [4, 1, 3]], width=4)
+    sparse = sparse_decode_attention_ref(
+        **batch, selected=selected, num_selected=count, sm_scale=sm_scale
+    )
+    out, _ = split_kv_decode(
+        **batch, sm_scale=sm_scale, selected=selected, num_selected=count, selected_span=16,
+        launch=launch,
+    )  # fmt: skip
+    torch.testing.assert_close(out, sparse, **OUT_TOL[torch.bfloat16])
