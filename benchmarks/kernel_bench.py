@@ -167,8 +167,7 @@ def stage1_tuning_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
     over the cache): ``stage1_ms:<kind>:bn<block_n>-w<warps>-s<stages>``, the default marked."""
     import itertools
 
-    from sglang_ext.kernels.split_kv_decode import STAGE1, SplitKVWorkspace, Stage1Launch
-    from sglang_ext.kernels.split_kv_decode import split_kv_decode
+    from sglang_ext.kernels import split_kv_decode as skv
 
     batch, q_heads, dim = inputs.q.shape
     kv_heads = inputs.k.shape[1]
@@ -182,23 +181,23 @@ def stage1_tuning_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
     }
     logits = torch.empty(batch, q_heads, inputs.context, device="cuda", dtype=torch.float32)
     kinds = {
-        "select": ({"logits": logits}, inputs.context),
-        "sparse": (sparse, pages * PAGE),
+        "select": ({"logits": logits}, inputs.context, skv.STAGE1_WHOLE),
+        "sparse": (sparse, pages * PAGE, skv.STAGE1_SELECTED),
     }
     out = torch.empty_like(inputs.q)
     rows = []
-    for kind, (extra, tokens) in kinds.items():
-        workspace = SplitKVWorkspace(batch, q_heads, kv_heads, dim, tokens, "cuda")
+    for kind, (extra, tokens, default) in kinds.items():
+        workspace = skv.SplitKVWorkspace(batch, q_heads, kv_heads, dim, tokens, "cuda")
         for block_n, warps, stages in itertools.product((32, 64), (4, 8), (1, 2, 3, 4)):
-            launch = Stage1Launch(block_n, warps, stages)
+            launch = skv.Stage1Launch(block_n, warps, stages)
 
             def run(launch=launch, extra=extra, workspace=workspace):
-                split_kv_decode(
+                skv.split_kv_decode(
                     *inputs.cache(), inputs.scale, **extra, workspace=workspace, out=out,
                     launch=launch,
                 )  # fmt: skip
 
-            name = f"bn{block_n}-w{warps}-s{stages}" + ("*" if launch == STAGE1 else "")
+            name = f"bn{block_n}-w{warps}-s{stages}" + ("*" if launch == default else "")
             metric = f"stage1_ms:{name}"
             rows.append(info.row(**point, policy=kind, metric=metric, value=time_ms(run)))
     return rows

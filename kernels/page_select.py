@@ -92,13 +92,15 @@ def unit_chooser(
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """``choose(scores, seq_lens, row_budget=None, out=None) -> (selected, num_selected)``, the
     selection rule of ``select_pages`` by the fastest way on ``device``: the fused kernel on CUDA
-    (measured: benchmarks.kernel_bench's ``rank_fused_ms`` rows), else torch (and under ART,
-    whose importance order the kernel does not make). ``out`` receives the result in place."""
+    for rows of at most FUSED_MAX_UNITS units, else ``select_pages`` with the fastest top-k (and
+    under ART, whose importance order the kernel does not make); measured: kernel_bench's
+    ``rank_*_ms`` rows. The choice depends on the row's width only, so a CUDA graph keeps it.
+    ``out`` receives the result in place."""
     fused = torch.device(device).type == "cuda" and not by_importance
     top_ranked = fastest_top_ranked(device)
 
     def choose(scores, seq_lens, row_budget=None, out=None):
-        if fused:
+        if fused and scores.shape[1] <= FUSED_MAX_UNITS:
             return select_units_fused(
                 scores, seq_lens, budget, num_recent, page_size, row_budget, out
             )
@@ -161,9 +163,10 @@ def select_tokens(
 
 # One Triton program per request does the whole choice where the torch path takes about fifteen
 # small kernels (mask, top-k, gather, cat, sort, pad): at batch 1 their launches, not their work,
-# cost most of a selection layer. It reads only the request's own units, not the padded row.
-_SELECT_BLOCK = 2048  # units per pass over a long row (Tidal's: every token)
-_SELECT_MAX_SINGLE = 4096  # a row up to this wide stays in registers (DELTA's pages at 64k)
+# cost most of a selection layer. It reads only the request's own units, held in registers, so
+# a row may be at most this wide: DELTA's pages at 128k tokens, Tidal's tokens at 8k. Wider rows
+# read in passes measured slower than FlashInfer's top-k (RESULTS.md, 2026-11-24 kernel_bench).
+FUSED_MAX_UNITS = 8192
 
 
 @triton.jit
@@ -172,24 +175,6 @@ def _ordered_key(scores):
     bits = (scores + 0.0).to(tl.int32, bitcast=True)
     signed = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     return signed.to(tl.uint32, bitcast=True) ^ 0x80000000
-
-
-@triton.jit
-def _count_at_least(
-    scores, keys, num_candidates, trials, offs, BLOCK: tl.constexpr, IN_REGS: tl.constexpr
-):
-    """For each of ``trials`` (uint32 [n]), how many candidate keys are at or above it: from
-    ``keys`` when the row is in registers, else read from ``scores`` a block at a time."""
-    if IN_REGS:
-        at_least = (offs < num_candidates)[:, None] & (keys[:, None] >= trials[None, :])
-        return tl.sum(at_least.to(tl.int32), 0)
-    counts = tl.zeros(trials.shape, tl.int32)
-    for start in range(0, num_candidates, BLOCK):
-        idx = start + offs
-        in_row = idx < num_candidates
-        key = _ordered_key(tl.load(scores + idx, mask=in_row, other=0.0))
-        counts += tl.sum((in_row[:, None] & (key[:, None] >= trials[None, :])).to(tl.int32), 0)
-    return counts
 
 
 @triton.jit
@@ -206,7 +191,6 @@ def _select_kernel(
     PAGE: tl.constexpr,
     HAS_ROW_BUDGET: tl.constexpr,
     BLOCK: tl.constexpr,
-    SINGLE_BLOCK: tl.constexpr,
     BUDGET_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -221,43 +205,21 @@ def _select_kernel(
     offs = tl.arange(0, BLOCK)
 
     # The threshold: the largest key with at least num_top candidate keys at or above it (the
-    # num_top-th largest), found four bits a pass by counting at 16 trial values at once.
-    keys = offs  # unread unless the row is in registers
-    if SINGLE_BLOCK:
-        keys = _ordered_key(tl.load(scores + offs, mask=offs < num_candidates, other=0.0))
-    nibbles = tl.arange(0, 16).to(tl.uint32)
+    # num_top-th largest), bit by bit from the top; of the keys equal to it, the lowest indices
+    # are kept. The kept ones land in ascending order (a prefix sum gives each its place).
+    is_candidate = offs < num_candidates
+    keys = _ordered_key(tl.load(scores + offs, mask=is_candidate, other=0.0))
     threshold = tl.zeros((), tl.uint32)
-    for shift in tl.static_range(28, -1, -4):
-        trials = threshold | (nibbles << shift)
-        counts = _count_at_least(scores, keys, num_candidates, trials, offs, BLOCK, SINGLE_BLOCK)
-        threshold |= tl.max(tl.where(counts >= num_top, nibbles, 0)) << shift
-    just_above = tl.zeros(nibbles.shape, tl.uint32) + (threshold + 1)
-    above = _count_at_least(scores, keys, num_candidates, just_above, offs, BLOCK, SINGLE_BLOCK)
-    # with num_top 0 the threshold is the largest key: nothing above it, no tie wanted
-    ties_wanted = num_top - tl.where(threshold == 0xFFFFFFFF, 0, tl.max(above))
-
-    # Keep every key above the threshold and, of the keys equal to it, the lowest indices; the
-    # kept ones land in ascending order (a prefix sum gives each its place).
-    if SINGLE_BLOCK:
-        is_candidate = offs < num_candidates
-        tie = (is_candidate & (keys == threshold)).to(tl.int32)
-        tie_rank = tl.cumsum(tie, 0) - tie
-        keep = (is_candidate & (keys > threshold)) | ((tie > 0) & (tie_rank < ties_wanted))
-        place = tl.cumsum(keep.to(tl.int32), 0) - keep.to(tl.int32)
-        tl.store(selected + place, offs, mask=keep)
-    else:
-        written, ties_seen = 0, 0
-        for start in range(0, num_candidates, BLOCK):
-            idx = start + offs
-            is_candidate = idx < num_candidates
-            chunk = _ordered_key(tl.load(scores + idx, mask=is_candidate, other=0.0))
-            tie = (is_candidate & (chunk == threshold)).to(tl.int32)
-            tie_rank = ties_seen + tl.cumsum(tie, 0) - tie
-            keep = (is_candidate & (chunk > threshold)) | ((tie > 0) & (tie_rank < ties_wanted))
-            place = written + tl.cumsum(keep.to(tl.int32), 0) - keep.to(tl.int32)
-            tl.store(selected + place, idx, mask=keep)
-            written += tl.sum(keep.to(tl.int32))
-            ties_seen += tl.sum(tie)
+    for bit in tl.static_range(31, -1, -1):
+        trial = threshold | (1 << bit)
+        count = tl.sum((is_candidate & (keys >= trial)).to(tl.int32))
+        threshold = tl.where(count >= num_top, trial, threshold)
+    ties_wanted = num_top - tl.sum((is_candidate & (keys > threshold)).to(tl.int32))
+    tie = (is_candidate & (keys == threshold)).to(tl.int32)
+    tie_rank = tl.cumsum(tie, 0) - tie
+    keep = (is_candidate & (keys > threshold)) | ((tie > 0) & (tie_rank < ties_wanted))
+    place = tl.cumsum(keep.to(tl.int32), 0) - keep.to(tl.int32)
+    tl.store(selected + place, offs, mask=keep)
 
     # then the recent units, which follow every candidate, then zeros
     num_kept_recent = num_units - num_candidates
@@ -278,22 +240,24 @@ def select_units_fused(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``select_pages`` (ascending order, not ``by_importance``) in one kernel; the oracle is
-    ``select_pages``. ``scores`` [batch, n] fp32 must cover every unit of each request; ``out``
+    ``select_pages``. ``scores`` [batch, n <= FUSED_MAX_UNITS] fp32 must cover every unit of each
+    request; ``out``
     (selected [batch, budget] int32, num_selected [batch] int32) receives the result in place."""
     assert 0 <= num_recent <= budget, "the recency window must fit in the budget"
     batch, width = scores.shape
+    if width > FUSED_MAX_UNITS:
+        raise ValueError(f"select_units_fused: rows of {width} units, at most {FUSED_MAX_UNITS}")
     if out is None:
         out = (
             torch.empty(batch, budget, dtype=torch.int32, device=scores.device),
             torch.empty(batch, dtype=torch.int32, device=scores.device),
         )
     selected, num_selected = out
-    single = width <= _SELECT_MAX_SINGLE
     _select_kernel[(batch,)](
         scores, seq_lens, seq_lens if row_budget is None else row_budget, selected, num_selected,
         scores.stride(0), selected.stride(0), budget, num_recent,
         PAGE=page_size, HAS_ROW_BUDGET=row_budget is not None,
-        BLOCK=triton.next_power_of_2(width) if single else _SELECT_BLOCK, SINGLE_BLOCK=single,
-        BUDGET_BLOCK=triton.next_power_of_2(budget), num_warps=8,
+        BLOCK=triton.next_power_of_2(width), BUDGET_BLOCK=triton.next_power_of_2(budget),
+        num_warps=8,
     )  # fmt: skip
     return selected, num_selected

@@ -82,14 +82,16 @@ def test_flashinfer_top_k_keeps_the_rule_ties_and_widths_included():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="long rows: minutes under the interpreter")
-def test_fused_selection_keeps_the_rule_over_long_rows():
+def test_fused_selection_keeps_the_rule_over_the_widest_rows():
     gen = torch.Generator().manual_seed(4)
-    lens = torch.tensor([1, 17, 300, 640, 5000, 33000, 131000], dtype=torch.int32, device=DEVICE)
-    scores = (torch.randint(-3, 3, (len(lens), 131000), generator=gen).float() * 0.75).to(DEVICE)
-    own = torch.tensor([1024, 7, 1024, 300, 1024, 513, 1024], device=DEVICE)
-    assert_fused_matches_oracle(scores, lens, 1024, 1, 1)  # Tidal: every token
+    lens = torch.tensor([1, 17, 300, 640, 5000, 8192], dtype=torch.int32, device=DEVICE)
+    widest = page_select.FUSED_MAX_UNITS
+    scores = (torch.randint(-3, 3, (len(lens), widest), generator=gen).float() * 0.75).to(DEVICE)
+    own = torch.tensor([1024, 7, 1024, 300, 1024, 513], device=DEVICE)
+    assert_fused_matches_oracle(scores, lens, 1024, 1, 1)  # Tidal at 8k: every token
     assert_fused_matches_oracle(scores, lens, 1024, 1, 1, own)
-    assert_fused_matches_oracle(torch.rand(len(lens), 8188, device=DEVICE), lens, 64, 8, 16)
+    pages = torch.rand(len(lens), widest, device=DEVICE)  # DELTA at 128k
+    assert_fused_matches_oracle(pages, lens * 16, 64, 8, 16)
 
 
 @pytest.mark.skipif(not ON_FLASHINFER, reason="FlashInfer's top-k needs CUDA and flashinfer")
@@ -115,11 +117,7 @@ def assert_fused_matches_oracle(scores, lens, budget, num_recent, page_size, own
     assert (selected[0] == -7).all() and count[0] == -7
 
 
-@pytest.mark.parametrize("one_pass", [True, False], ids=["row-in-registers", "row-in-passes"])
-def test_fused_selection_keeps_the_rule(one_pass, monkeypatch):
-    if not one_pass:  # a long row (Tidal's tokens) is read in passes of _SELECT_BLOCK units
-        monkeypatch.setattr(page_select, "_SELECT_MAX_SINGLE", 64)
-        monkeypatch.setattr(page_select, "_SELECT_BLOCK", 32)
+def test_fused_selection_keeps_the_rule():
     gen = torch.Generator().manual_seed(3)
     lens = torch.tensor([1, 5, 16, 17, 37, 300, 513, 600], dtype=torch.int32, device=DEVICE)
     ties = torch.randint(-3, 3, (len(lens), 600), generator=gen).float().to(DEVICE) * 0.75
@@ -129,6 +127,17 @@ def test_fused_selection_keeps_the_rule(one_pass, monkeypatch):
     assert_fused_matches_oracle(ties, lens, 7, 0, 1)  # no recency window
     assert_fused_matches_oracle(ties[:, :40], lens, 6, 2, 16)  # pages
     assert_fused_matches_oracle(ties[:, :40], lens, 3, 3, 16)  # recent pages only
+
+
+def test_rows_wider_than_the_fused_kernel_holds_take_the_top_k_path():
+    wide = page_select.FUSED_MAX_UNITS + 1
+    scores = torch.rand(2, wide, device=DEVICE)
+    lens = torch.tensor([wide, 100], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="at most"):
+        select_units_fused(scores, lens, 8, 1, 1)
+    chosen = unit_chooser(DEVICE, 8, 1, 1, by_importance=False)(scores, lens)
+    oracle = select_tokens(scores, lens, budget=8)
+    assert torch.equal(chosen[0], oracle[0]) and torch.equal(chosen[1], oracle[1])
 
 
 def test_ties_go_to_the_lower_page():
