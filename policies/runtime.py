@@ -48,9 +48,11 @@ class RequestState:
         return self.policy_state is not None
 
 
-@dataclasses.dataclass(frozen=True)
+# Made per request at every step (with its report) on the scheduler's critical path: slotted,
+# not frozen, whose field-by-field __init__ measured 5x slower (host time of a batch-64 step).
+@dataclasses.dataclass(slots=True)
 class StepRequest:
-    """One request of a batch as the scheduler sees it this step (host data)."""
+    """One request of a batch as the scheduler sees it this step (host data; not to be changed)."""
 
     state: RequestState
     rid: str
@@ -61,7 +63,7 @@ class StepRequest:
     protected_len: int  # its first positions owned by the radix cache: never freed under it
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class RequestReport:
     policy: str  # the name it decoded under
     held: int  # KV tokens it holds

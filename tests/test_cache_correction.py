@@ -1,6 +1,7 @@
 """Which tokens a decode step's cache correction re-fills, and the extend batch that re-fills them
 (the engine run is in test_engine_selection)."""
 
+import dataclasses
 from array import array
 from types import SimpleNamespace
 
@@ -42,7 +43,7 @@ def test_tokens_not_yet_on_the_host_wait_for_a_later_round():
     req = request(0, 10, 6, 19)
     assert plan_correction([req], interval=8) is None
     req.output_ids.extend([6, 7, 8])
-    later = StepRequest(**{**req.__dict__, "seq_len": 20})
+    later = dataclasses.replace(req, seq_len=20)
     assert plan_correction([later], interval=8).token_ids == [list(range(9))]
 
 

@@ -1,6 +1,7 @@
 """Lethe's runtime on small CPU tensors: appending at each decode step, a pruning round's slot
 accounting, admission sizes and the plan (the engine runs are in test_engine_lethe)."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import torch
@@ -101,7 +102,7 @@ def test_radix_owned_positions_are_never_freed():
     cache = Cache(num_layers=2, seq_lens=(200, 12))
     runtime = runtime_for(cache)
     request = step(cache, runtime, 0)
-    protected = StepRequest(**{**request.__dict__, "protected_len": 64})
+    protected = dataclasses.replace(request, protected_len=64)
     runtime.scores[:, protected.row, :199] = torch.linspace(1, 0, 199) ** 20
     pool = Pool()
     runtime.prune(protected, 199, pool.ops())
@@ -113,7 +114,7 @@ def test_a_round_is_planned_once_retained_kv_passes_the_threshold():
     cache = Cache(num_layers=2, seq_lens=(200, 9))
     runtime = runtime_for(cache, evict_threshold=16)
     long, short = step(cache, runtime, 0), step(cache, runtime, 1)
-    opted_out = StepRequest(**{**long.__dict__, "state": runtime.new_request(None, None)})
+    opted_out = dataclasses.replace(long, state=runtime.new_request(None, None))
     plan = runtime.plan_step([long, short, opted_out], decode=True)
     assert plan.rounds == [long]
     long.state.evicted = 190  # what the threshold counts is what it still holds

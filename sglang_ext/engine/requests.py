@@ -59,9 +59,10 @@ def step_requests(runtime: PolicyRuntime, reqs, seq_lens: list[int]) -> list[Ste
     """The batch's requests as the runtime sees them this step, one per request, in order."""
     out = []
     for req, seq_len in zip(reqs, seq_lens, strict=True):
-        if state_of(req) is None:  # every request is prefilled under the policy; never here
+        state = getattr(req, _STATE, None)
+        if state is None:  # every request is prefilled under the policy; never here
             begin_prefill(runtime, req)
-        state = state_of(req)
+            state = state_of(req)
         out.append(
             StepRequest(
                 state=state, rid=req.rid, row=req.req_pool_idx, seq_len=seq_len,
