@@ -3,7 +3,7 @@ which vanilla run a policy's greedy tokens are compared with, and a decode step'
 
 import pytest
 
-from benchmarks import decode_profile, decode_step, e2e, harness
+from benchmarks import decode_profile, decode_step, e2e, harness, host_step
 
 
 def test_rows_name_each_policys_budget_from_its_config():
@@ -85,3 +85,19 @@ def test_a_profile_gives_each_kernels_time_per_step_and_sums_the_rest(tmp_path):
         "kernel_ms:_stage1": 0.006, "kernel_ms:(other)": 0.0055,
         "kernels_per_step": 2.0, "gpu_busy_ms": 0.0115,
     })  # fmt: skip
+
+
+def test_host_step_times_the_adapters_work_for_each_policy_and_batch(tmp_path):
+    out = tmp_path / "out"
+    host_step.main([
+        "--policies", "full,delta,tidal", "--batch", "1,3", "--steps", "2",
+        "--out-dir", str(out), "--results-md", str(tmp_path / "RESULTS.md"),
+    ])  # fmt: skip
+    import json
+
+    (rows_file,) = out.glob("host_step-*.json")
+    rows = json.loads(rows_file.read_text())
+    assert {(r["policy"], r["batch"]) for r in rows} == {
+        (p, b) for p in ("full", "delta", "tidal") for b in (1, 3)
+    }
+    assert all(r["metric"] == "host_step_ms" and r["value"] > 0 for r in rows)
