@@ -241,8 +241,8 @@ def select_units_fused(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``select_pages`` (ascending order, not ``by_importance``) in one kernel; the oracle is
     ``select_pages``. ``scores`` [batch, n <= FUSED_MAX_UNITS] fp32 must cover every unit of each
-    request; ``out``
-    (selected [batch, budget] int32, num_selected [batch] int32) receives the result in place."""
+    request; ``out`` (selected [batch, budget] int32, num_selected [batch] int32) receives the
+    result in place."""
     assert 0 <= num_recent <= budget, "the recency window must fit in the budget"
     batch, width = scores.shape
     if width > FUSED_MAX_UNITS:
