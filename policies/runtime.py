@@ -49,7 +49,8 @@ class RequestState:
 
 
 # Made per request at every step (with its report) on the scheduler's critical path: slotted,
-# not frozen, whose field-by-field __init__ measured 5x slower (host time of a batch-64 step).
+# not frozen (a frozen __init__ sets field by field); with it the adapter's host time of a
+# batch-64 step halved (benchmarks.host_step, RESULTS.md 2026-11-25).
 @dataclasses.dataclass(slots=True)
 class StepRequest:
     """One request of a batch as the scheduler sees it this step (host data; not to be changed)."""
