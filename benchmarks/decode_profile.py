@@ -4,7 +4,8 @@ same run: SGLang's one-batch benchmark under the torch profiler (CUDA graphs on,
     python -m benchmarks.decode_profile --shape qwen1.5b --policies vanilla@fa3,delta,tidal \\
         --batch 1 --context 32768 --skip-prefill-compute
 
-Per policy and point, rows of each kernel's GPU time per decode step (``kernel_ms:NAME``, the
+Per policy and point, rows of each kernel's GPU time per decode step (``kernel_ms:NAME``, or
+``kernel_ms:NAME[grid]`` for a kernel launched with several grids; the
 ``--top`` longest, the rest summed as ``kernel_ms:(other)``), the kernels launched per step
 (``kernels_per_step``) and their summed time (``gpu_busy_ms``). The profiled steps are not the
 timed ones: benchmarks.decode_step measures latency without the profiler.
@@ -36,13 +37,20 @@ def build_parser():
 
 
 def kernel_times_us(trace_path: Path) -> dict[str, list[float]]:
-    """Each GPU kernel's durations (µs) in a torch-profiler chrome trace, by kernel name."""
+    """Each GPU kernel's durations (µs) in a torch-profiler chrome trace, by kernel name; a kernel
+    launched with several grids is split by grid, ``NAME[x,y,z]`` (our split-KV stage 1 over the
+    whole cache and over selected pages are one kernel with different grids)."""
     with gzip.open(trace_path, "rt") as f:
         events = json.load(f)["traceEvents"]
-    times = collections.defaultdict(list)
+    by_grid = collections.defaultdict(lambda: collections.defaultdict(list))
     for event in events:
         if event.get("cat") == "kernel":
-            times[short_name(event["name"])].append(float(event["dur"]))
+            grid = ",".join(map(str, event.get("args", {}).get("grid", [])))
+            by_grid[short_name(event["name"])][grid].append(float(event["dur"]))
+    times = {}
+    for name, grids in by_grid.items():
+        for grid, durations in grids.items():
+            times[name if len(grids) == 1 else f"{name}[{grid}]"] = durations
     return times
 
 

@@ -39,7 +39,8 @@ def build_parser():
         "--parts", type=harness.name_list, default=list(PARTS),
         help="which rows: layers (per-layer and per-step times, floors), rank (the selection "
         "step's top-k), sparse (our sparse kernel against FlashInfer's paged decode), tune "
-        "(split-KV stage 1's tile, warps and pipeline stages)",
+        "(split-KV stage 1's tile, warps and pipeline stages; the selection scores' tile and "
+        "warps)",
     )  # fmt: skip
     return parser
 
@@ -158,6 +159,32 @@ def measure_point(cfg, batch, context, args, bandwidth, info) -> list[Row]:
         rows += sparse_kernel_rows(inputs, args.budget_tokens, point, info)
     if "tune" in args.parts:
         rows += stage1_tuning_rows(inputs, args.budget_tokens, point, info)
+        rows += scores_tuning_rows(inputs, point, info)
+    return rows
+
+
+def scores_tuning_rows(inputs, point: dict, info) -> list[Row]:
+    """The selection scores from stored logits (DELTA's: probabilities, pages summed) under each
+    tile and warp count: ``scores_ms:t<tokens>-w<warps>``, the default marked."""
+    import itertools
+
+    from sglang_ext.kernels import selection_attention as sa
+
+    batch, q_heads, _ = inputs.q.shape
+    f32 = {"device": "cuda", "dtype": torch.float32}
+    logits = torch.randn(batch, q_heads, inputs.context, **f32)
+    lse = torch.logsumexp(logits, dim=-1)
+    tokens = torch.empty(batch, inputs.context, **f32)
+    pages = torch.empty(batch, -(-inputs.context // PAGE), **f32)
+    rows = []
+    for block_t, warps in itertools.product((64, 128, 256, 512, 1024), (4, 8)):
+        run = functools.partial(
+            sa.score_tokens, logits, lse, inputs.seq_lens, tokens, pages, block_t=block_t,
+            num_warps=warps,
+        )  # fmt: skip
+        default = (block_t, warps) == (sa.SCORES_BLOCK_T, sa.SCORES_WARPS)
+        metric = f"scores_ms:t{block_t}-w{warps}" + ("*" if default else "")
+        rows.append(info.row(**point, policy="delta", metric=metric, value=time_ms(run)))
     return rows
 
 
@@ -311,8 +338,8 @@ def rank_rows(inputs, budget_tokens: int, row_width: int, point: dict, info) -> 
     """The selection step alone (scores to kept slots) over a Tidal row (every token) and a DELTA
     row (every page), rows ``row_width`` tokens wide: ``select_pages`` with torch's top-k (the
     oracle), with FlashInfer's over the padded row (``flashinfer_top_ranked``) and over each row's
-    candidates only (``top_k_ragged_transform``), and the one-kernel ``select_units_fused`` that
-    ``unit_chooser`` picks on CUDA (``rank_fused_ms``)."""
+    candidates only (``top_k_ragged_transform``), and the fused ``select_units_fused`` that
+    ``unit_chooser`` picks on CUDA where it takes the row (``rank_fused_ms``)."""
     from sglang_ext.kernels import page_select as ps
 
     rows = []
@@ -331,11 +358,12 @@ def rank_rows(inputs, budget_tokens: int, row_width: int, point: dict, info) -> 
             )  # fmt: skip
             for ranker, top_ranked in rankers.items()
         }
-        selects["rank_fused_ms"] = functools.partial(
-            ps.select_units_fused, scores, inputs.seq_lens, budget, recent, page
-        )
-        fused, oracle = selects["rank_fused_ms"](), selects["rank_torch_ms"]()
-        assert torch.equal(fused[1], oracle[1]) and torch.equal(fused[0], oracle[0])
+        if ps.fused_fits(scores.shape[1], budget, recent):
+            selects["rank_fused_ms"] = functools.partial(
+                ps.select_units_fused, scores, inputs.seq_lens, budget, recent, page
+            )
+            fused, oracle = selects["rank_fused_ms"](), selects["rank_torch_ms"]()
+            assert torch.equal(fused[1], oracle[1]) and torch.equal(fused[0], oracle[0])
         for metric, select in selects.items():
             rows.append(info.row(**point, policy=policy, metric=metric, value=time_ms(select)))
     return rows

@@ -91,16 +91,16 @@ def unit_chooser(
     device: torch.device | str, budget: int, num_recent: int, page_size: int, by_importance: bool
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """``choose(scores, seq_lens, row_budget=None, out=None) -> (selected, num_selected)``, the
-    selection rule of ``select_pages`` by the fastest way on ``device``: the fused kernel on CUDA
-    for rows of at most FUSED_MAX_UNITS units, else ``select_pages`` with the fastest top-k (and
-    under ART, whose importance order the kernel does not make); measured: kernel_bench's
+    selection rule of ``select_pages`` by the fastest way on ``device``: the fused kernels on
+    CUDA for rows they take (``fused_fits``), else ``select_pages`` with the fastest top-k (and
+    under ART, whose importance order the kernels do not make); measured: kernel_bench's
     ``rank_*_ms`` rows. The choice depends on the row's width only, so a CUDA graph keeps it.
     ``out`` receives the result in place."""
     fused = torch.device(device).type == "cuda" and not by_importance
     top_ranked = fastest_top_ranked(device)
 
     def choose(scores, seq_lens, row_budget=None, out=None):
-        if fused and scores.shape[1] <= FUSED_MAX_UNITS:
+        if fused and fused_fits(scores.shape[1], budget, num_recent):
             return select_units_fused(
                 scores, seq_lens, budget, num_recent, page_size, row_budget, out
             )
@@ -164,8 +164,12 @@ def select_tokens(
 # One Triton program per request does the whole choice where the torch path takes about fifteen
 # small kernels (mask, top-k, gather, cat, sort, pad): at batch 1 their launches, not their work,
 # cost most of a selection layer. It reads only the request's own units, held in registers, so
-# a row may be at most this wide: DELTA's pages at 128k tokens, Tidal's tokens at 8k. Wider rows
-# read in passes measured slower than FlashInfer's top-k (RESULTS.md, 2026-11-24 kernel_bench).
+# one pass takes rows of at most this many units: DELTA's pages at 128k tokens, Tidal's tokens at
+# 8k. A wider row is cut into chunks of this many units; each chunk keeps its own best (budget -
+# num_recent) candidates, and one more pass chooses among those (exact: a unit among the row's
+# best is among its chunk's best). That holds while the chunks' candidates fit one pass: Tidal's
+# 1024 tokens to 64k. Wider rows take FlashInfer's top-k (passes over rows held in memory were
+# measured slower than it: RESULTS.md, 2026-11-24 kernel_bench).
 FUSED_MAX_UNITS = 8192
 
 
@@ -175,6 +179,51 @@ def _ordered_key(scores):
     bits = (scores + 0.0).to(tl.int32, bitcast=True)
     signed = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     return signed.to(tl.uint32, bitcast=True) ^ 0x80000000
+
+
+@triton.jit
+def _row_counts(SeqLens, RowBudget, row, budget, num_recent, PAGE, HAS_ROW_BUDGET):
+    """(units, candidates: the units before the recent ones, how many candidates to keep)."""
+    num_units = (tl.load(SeqLens + row).to(tl.int32) + PAGE - 1) // PAGE
+    num_candidates = tl.maximum(num_units - num_recent, 0)
+    row_budget = budget
+    if HAS_ROW_BUDGET:
+        row_budget = tl.load(RowBudget + row).to(tl.int32)
+    num_top = tl.maximum(tl.minimum(row_budget - num_recent, num_candidates), 0)
+    return num_units, num_candidates, num_top
+
+
+@triton.jit
+def _keep_best(keys, is_candidate, num_top):
+    """(keep, place): the num_top best candidate keys, ties to the lower offset, and where each
+    kept one lands in ascending order (a prefix sum). The threshold is the largest key with at
+    least num_top candidate keys at or above it (the num_top-th largest), found bit by bit from
+    the top; of the keys equal to it, the lowest offsets are kept."""
+    threshold = tl.zeros((), tl.uint32)
+    for bit in tl.static_range(31, -1, -1):
+        trial = threshold | (1 << bit)
+        count = tl.sum((is_candidate & (keys >= trial)).to(tl.int32))
+        threshold = tl.where(count >= num_top, trial, threshold)
+    ties_wanted = num_top - tl.sum((is_candidate & (keys > threshold)).to(tl.int32))
+    tie = (is_candidate & (keys == threshold)).to(tl.int32)
+    tie_rank = tl.cumsum(tie, 0) - tie
+    keep = (is_candidate & (keys > threshold)) | ((tie > 0) & (tie_rank < ties_wanted))
+    place = tl.cumsum(keep.to(tl.int32), 0) - keep.to(tl.int32)
+    return keep, place
+
+
+@triton.jit
+def _finish_row(
+    selected, NumSelected, row, num_units, num_candidates, num_top, budget, BUDGET_BLOCK
+):
+    """After the num_top kept candidates: the recent units, which follow every candidate, then
+    zeros; and the count."""
+    num_kept_recent = num_units - num_candidates
+    slot = tl.arange(0, BUDGET_BLOCK)
+    is_recent = (slot >= num_top) & (slot < num_top + num_kept_recent)
+    tl.store(selected + slot, num_candidates + slot - num_top, mask=is_recent)
+    tl.store(selected + slot, 0, mask=(slot >= num_top + num_kept_recent) & (slot < budget))
+    tl.store(NumSelected + row, num_top + num_kept_recent)
 
 
 @triton.jit
@@ -194,40 +243,98 @@ def _select_kernel(
     BUDGET_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    num_units = (tl.load(SeqLens + row).to(tl.int32) + PAGE - 1) // PAGE
-    num_candidates = tl.maximum(num_units - num_recent, 0)
-    row_budget = budget
-    if HAS_ROW_BUDGET:
-        row_budget = tl.load(RowBudget + row).to(tl.int32)
-    num_top = tl.maximum(tl.minimum(row_budget - num_recent, num_candidates), 0)
-    scores = Scores + row * stride_scores
+    num_units, num_candidates, num_top = _row_counts(
+        SeqLens, RowBudget, row, budget, num_recent, PAGE, HAS_ROW_BUDGET
+    )
     selected = Selected + row * stride_selected
     offs = tl.arange(0, BLOCK)
-
-    # The threshold: the largest key with at least num_top candidate keys at or above it (the
-    # num_top-th largest), bit by bit from the top; of the keys equal to it, the lowest indices
-    # are kept. The kept ones land in ascending order (a prefix sum gives each its place).
     is_candidate = offs < num_candidates
-    keys = _ordered_key(tl.load(scores + offs, mask=is_candidate, other=0.0))
-    threshold = tl.zeros((), tl.uint32)
-    for bit in tl.static_range(31, -1, -1):
-        trial = threshold | (1 << bit)
-        count = tl.sum((is_candidate & (keys >= trial)).to(tl.int32))
-        threshold = tl.where(count >= num_top, trial, threshold)
-    ties_wanted = num_top - tl.sum((is_candidate & (keys > threshold)).to(tl.int32))
-    tie = (is_candidate & (keys == threshold)).to(tl.int32)
-    tie_rank = tl.cumsum(tie, 0) - tie
-    keep = (is_candidate & (keys > threshold)) | ((tie > 0) & (tie_rank < ties_wanted))
-    place = tl.cumsum(keep.to(tl.int32), 0) - keep.to(tl.int32)
+    keys = _ordered_key(tl.load(Scores + row * stride_scores + offs, mask=is_candidate, other=0.0))
+    keep, place = _keep_best(keys, is_candidate, num_top)
     tl.store(selected + place, offs, mask=keep)
+    _finish_row(
+        selected, NumSelected, row, num_units, num_candidates, num_top, budget, BUDGET_BLOCK
+    )
 
-    # then the recent units, which follow every candidate, then zeros
-    num_kept_recent = num_units - num_candidates
-    slot = tl.arange(0, BUDGET_BLOCK)
-    is_recent = (slot >= num_top) & (slot < num_top + num_kept_recent)
-    tl.store(selected + slot, num_candidates + slot - num_top, mask=is_recent)
-    tl.store(selected + slot, 0, mask=(slot >= num_top + num_kept_recent) & (slot < budget))
-    tl.store(NumSelected + row, num_top + num_kept_recent)
+
+@triton.jit
+def _chunk_best_kernel(
+    Scores,
+    SeqLens,
+    RowBudget,
+    Best,
+    BestScores,
+    NumBest,
+    stride_scores,
+    stride_best,
+    budget,
+    num_recent,
+    PAGE: tl.constexpr,
+    HAS_ROW_BUDGET: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Chunk c of a row keeps its best candidates in slots [c * (budget - num_recent), ...) of
+    the row's Best (unit ids, ascending) and BestScores, and their count in NumBest[row, c]."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    _, num_candidates, num_top = _row_counts(
+        SeqLens, RowBudget, row, budget, num_recent, PAGE, HAS_ROW_BUDGET
+    )
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    is_candidate = offs < num_candidates
+    scores = tl.load(Scores + row * stride_scores + offs, mask=is_candidate, other=0.0)
+    keep, place = _keep_best(_ordered_key(scores), is_candidate, num_top)
+    slots = row * stride_best + chunk * (budget - num_recent) + place
+    tl.store(Best + slots, offs, mask=keep)
+    tl.store(BestScores + slots, scores, mask=keep)
+    tl.store(NumBest + row * tl.num_programs(1) + chunk, tl.sum(keep.to(tl.int32)))
+
+
+@triton.jit
+def _merge_best_kernel(
+    Best,
+    BestScores,
+    NumBest,
+    SeqLens,
+    RowBudget,
+    Selected,
+    NumSelected,
+    stride_best,
+    stride_selected,
+    budget,
+    num_recent,
+    num_chunks,
+    PAGE: tl.constexpr,
+    HAS_ROW_BUDGET: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BUDGET_BLOCK: tl.constexpr,
+):
+    """The row's choice among its chunks' best, whose slots ascend by unit id."""
+    row = tl.program_id(0).to(tl.int64)
+    num_units, num_candidates, num_top = _row_counts(
+        SeqLens, RowBudget, row, budget, num_recent, PAGE, HAS_ROW_BUDGET
+    )
+    per_chunk = budget - num_recent
+    offs = tl.arange(0, BLOCK)
+    in_row = offs < num_chunks * per_chunk
+    chunk = offs // tl.maximum(per_chunk, 1)
+    filled = tl.load(NumBest + row * num_chunks + chunk, mask=in_row, other=0)
+    is_candidate = in_row & (offs - chunk * per_chunk < filled)
+    slots = row * stride_best + offs
+    keys = _ordered_key(tl.load(BestScores + slots, mask=is_candidate, other=0.0))
+    keep, place = _keep_best(keys, is_candidate, num_top)
+    selected = Selected + row * stride_selected
+    tl.store(selected + place, tl.load(Best + slots, mask=keep, other=0), mask=keep)
+    _finish_row(
+        selected, NumSelected, row, num_units, num_candidates, num_top, budget, BUDGET_BLOCK
+    )
+
+
+def fused_fits(width: int, budget: int, num_recent: int) -> bool:
+    """Whether ``select_units_fused`` takes rows of ``width`` units: one pass, or chunks whose
+    best candidates fit one more."""
+    chunks = triton.cdiv(width, FUSED_MAX_UNITS)
+    return chunks == 1 or chunks * (budget - num_recent) <= FUSED_MAX_UNITS
 
 
 def select_units_fused(
@@ -239,25 +346,44 @@ def select_units_fused(
     row_budget: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``select_pages`` (ascending order, not ``by_importance``) in one kernel; the oracle is
-    ``select_pages``. ``scores`` [batch, n <= FUSED_MAX_UNITS] fp32 must cover every unit of each
-    request; ``out`` (selected [batch, budget] int32, num_selected [batch] int32) receives the
-    result in place."""
+    """``select_pages`` (ascending order, not ``by_importance``) in one kernel, or two for rows
+    wider than FUSED_MAX_UNITS (``fused_fits``); the oracle is ``select_pages``. ``scores``
+    [batch, width] fp32 must cover every unit of each request; ``out`` (selected [batch, budget]
+    int32, num_selected [batch] int32) receives the result in place."""
     assert 0 <= num_recent <= budget, "the recency window must fit in the budget"
     batch, width = scores.shape
-    if width > FUSED_MAX_UNITS:
-        raise ValueError(f"select_units_fused: rows of {width} units, at most {FUSED_MAX_UNITS}")
+    if not fused_fits(width, budget, num_recent):
+        raise ValueError(
+            f"select_units_fused: rows of {width} units with {budget - num_recent} to choose, "
+            f"at most {FUSED_MAX_UNITS} units or candidates"
+        )
     if out is None:
         out = (
             torch.empty(batch, budget, dtype=torch.int32, device=scores.device),
             torch.empty(batch, dtype=torch.int32, device=scores.device),
         )
     selected, num_selected = out
-    _select_kernel[(batch,)](
-        scores, seq_lens, seq_lens if row_budget is None else row_budget, selected, num_selected,
-        scores.stride(0), selected.stride(0), budget, num_recent,
-        PAGE=page_size, HAS_ROW_BUDGET=row_budget is not None,
-        BLOCK=triton.next_power_of_2(width), BUDGET_BLOCK=triton.next_power_of_2(budget),
-        num_warps=8,
+    rows = seq_lens if row_budget is None else row_budget
+    shared = {"PAGE": page_size, "HAS_ROW_BUDGET": row_budget is not None}
+    finish = {"BUDGET_BLOCK": triton.next_power_of_2(budget), "num_warps": 8}
+    if width <= FUSED_MAX_UNITS:
+        _select_kernel[(batch,)](
+            scores, seq_lens, rows, selected, num_selected, scores.stride(0), selected.stride(0),
+            budget, num_recent, BLOCK=triton.next_power_of_2(width), **shared, **finish,
+        )  # fmt: skip
+        return selected, num_selected
+    chunks, per_chunk = triton.cdiv(width, FUSED_MAX_UNITS), budget - num_recent
+    # the chunks' best, allocated here: inside a CUDA graph that is the graph's own pool
+    best = torch.empty(batch, chunks * per_chunk, dtype=torch.int32, device=scores.device)
+    best_scores = torch.empty(batch, chunks * per_chunk, dtype=scores.dtype, device=scores.device)
+    num_best = torch.empty(batch, chunks, dtype=torch.int32, device=scores.device)
+    _chunk_best_kernel[(batch, chunks)](
+        scores, seq_lens, rows, best, best_scores, num_best, scores.stride(0), best.stride(0),
+        budget, num_recent, CHUNK=FUSED_MAX_UNITS, **shared, num_warps=8,
+    )  # fmt: skip
+    _merge_best_kernel[(batch,)](
+        best, best_scores, num_best, seq_lens, rows, selected, num_selected, best.stride(0),
+        selected.stride(0), budget, num_recent, chunks,
+        BLOCK=triton.next_power_of_2(max(chunks * per_chunk, 1)), **shared, **finish,
     )  # fmt: skip
     return selected, num_selected

@@ -92,6 +92,12 @@ def test_fused_selection_keeps_the_rule_over_the_widest_rows():
     assert_fused_matches_oracle(scores, lens, 1024, 1, 1, own)
     pages = torch.rand(len(lens), widest, device=DEVICE)  # DELTA at 128k
     assert_fused_matches_oracle(pages, lens * 16, 64, 8, 16)
+    # Tidal at 64k: eight chunks' best
+    wide = (torch.randint(-3, 3, (len(lens), 8 * widest), generator=gen).float() * 0.75).to(DEVICE)
+    wide_lens = [3, 8193, 20000, 40000, 60000, 65536]
+    wide_lens = torch.tensor(wide_lens, dtype=torch.int32, device=DEVICE)
+    assert_fused_matches_oracle(wide, wide_lens, 1024, 1, 1)
+    assert_fused_matches_oracle(wide, wide_lens, 1024, 1, 1, own)
 
 
 @pytest.mark.skipif(not ON_FLASHINFER, reason="FlashInfer's top-k needs CUDA and flashinfer")
@@ -129,14 +135,31 @@ def test_fused_selection_keeps_the_rule():
     assert_fused_matches_oracle(ties[:, :40], lens, 3, 3, 16)  # recent pages only
 
 
-def test_rows_wider_than_the_fused_kernel_holds_take_the_top_k_path():
-    wide = page_select.FUSED_MAX_UNITS + 1
-    scores = torch.rand(2, wide, device=DEVICE)
-    lens = torch.tensor([wide, 100], dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="at most"):
-        select_units_fused(scores, lens, 8, 1, 1)
-    chosen = unit_chooser(DEVICE, 8, 1, 1, by_importance=False)(scores, lens)
-    oracle = select_tokens(scores, lens, budget=8)
+def test_wide_rows_choose_among_each_chunks_best(monkeypatch):
+    # 64-unit chunks stand in for 8192-unit ones: rows of up to five chunks, ties across chunks
+    monkeypatch.setattr(page_select, "FUSED_MAX_UNITS", 64)
+    gen = torch.Generator().manual_seed(5)
+    lens = torch.tensor([1, 60, 64, 65, 130, 200, 300, 320], dtype=torch.int32, device=DEVICE)
+    ties = torch.randint(-3, 3, (len(lens), 320), generator=gen).float().to(DEVICE) * 0.75
+    ties[3, 64], ties[6, 5], ties[7, 100] = float("-inf"), -0.0, float("-inf")
+    own = torch.tensor([1, 2, 13, 4, 5, 13, 9, 3], dtype=torch.float32, device=DEVICE)
+    assert_fused_matches_oracle(ties, lens, 13, 1, 1)  # 5 chunks x 12 candidates <= 64
+    assert_fused_matches_oracle(ties, lens, 13, 1, 1, own)
+    assert_fused_matches_oracle(ties, lens, 12, 0, 1)  # no recency window
+    assert_fused_matches_oracle(ties, lens, 3, 3, 1)  # recent units only: no candidates
+    assert_fused_matches_oracle(ties, lens * 2, 7, 2, 2)  # units of two tokens
+
+
+def test_rows_wider_than_the_fused_kernels_take_take_the_top_k_path(monkeypatch):
+    monkeypatch.setattr(page_select, "FUSED_MAX_UNITS", 64)
+    scores = torch.rand(2, 200, device=DEVICE)
+    lens = torch.tensor([200, 100], dtype=torch.int32, device=DEVICE)
+    # 4 chunks x 17 candidates > 64: the candidates would not fit one pass
+    assert page_select.fused_fits(200, 17, 1) and not page_select.fused_fits(200, 18, 1)
+    with pytest.raises(ValueError, match="at most 64"):
+        select_units_fused(scores, lens, 18, 1, 1)
+    chosen = unit_chooser(DEVICE, 18, 1, 1, by_importance=False)(scores, lens)
+    oracle = select_tokens(scores, lens, budget=18)
     assert torch.equal(chosen[0], oracle[0]) and torch.equal(chosen[1], oracle[1])
 
 
