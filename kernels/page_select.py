@@ -273,21 +273,26 @@ def _chunk_best_kernel(
     HAS_ROW_BUDGET: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """Chunk c of a row keeps its best candidates in slots [c * (budget - num_recent), ...) of
-    the row's Best (unit ids, ascending) and BestScores, and their count in NumBest[row, c]."""
+    """Chunk c of a row keeps its best candidates in list c: slots [c * (budget - num_recent),
+    ...) of the row's Best (unit ids, ascending) and BestScores, their count in NumBest[row, c].
+    A chunk past the row's candidates only records an empty list."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     _, num_candidates, num_top = _row_counts(
         SeqLens, RowBudget, row, budget, num_recent, PAGE, HAS_ROW_BUDGET
     )
-    offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    is_candidate = offs < num_candidates
-    scores = tl.load(Scores + row * stride_scores + offs, mask=is_candidate, other=0.0)
-    keep, place = _keep_best(_ordered_key(scores), is_candidate, num_top)
-    slots = row * stride_best + chunk * (budget - num_recent) + place
-    tl.store(Best + slots, offs, mask=keep)
-    tl.store(BestScores + slots, scores, mask=keep)
-    tl.store(NumBest + row * tl.num_programs(1) + chunk, tl.sum(keep.to(tl.int32)))
+    num_kept = tl.zeros((), tl.int32)
+    if chunk * CHUNK < num_candidates:
+        offs = chunk * CHUNK + tl.arange(0, CHUNK)
+        is_candidate = offs < num_candidates
+        scores = Scores + row * stride_scores + offs
+        keys = _ordered_key(tl.load(scores, mask=is_candidate, other=0.0))
+        keep, place = _keep_best(keys, is_candidate, num_top)
+        slots = row * stride_best + chunk * (budget - num_recent) + place
+        tl.store(Best + slots, offs, mask=keep)
+        tl.store(BestScores + slots, tl.load(scores, mask=keep), mask=keep)  # reread: no spills
+        num_kept = tl.sum(keep.to(tl.int32))
+    tl.store(NumBest + row * tl.num_programs(1) + chunk, num_kept)
 
 
 @triton.jit
@@ -297,44 +302,64 @@ def _merge_best_kernel(
     NumBest,
     SeqLens,
     RowBudget,
-    Selected,
-    NumSelected,
+    Out,
+    OutScores,
+    NumOut,
     stride_best,
-    stride_selected,
+    stride_out,
     budget,
     num_recent,
-    num_chunks,
+    num_lists,
     PAGE: tl.constexpr,
     HAS_ROW_BUDGET: tl.constexpr,
+    LISTS_PER_GROUP: tl.constexpr,
+    FINAL: tl.constexpr,
     BLOCK: tl.constexpr,
     BUDGET_BLOCK: tl.constexpr,
 ):
-    """The row's choice among its chunks' best, whose slots ascend by unit id."""
+    """Group g of a row's candidate lists (lists [g * LISTS_PER_GROUP, ...), laid out as
+    _chunk_best_kernel's, ascending by unit id) keeps its best: as list g of Out, OutScores and
+    NumOut, or, FINAL (one group), as the row's selection in Out with the recent units. Lists
+    fill in order, so a group whose first list is empty is empty."""
     row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
     num_units, num_candidates, num_top = _row_counts(
         SeqLens, RowBudget, row, budget, num_recent, PAGE, HAS_ROW_BUDGET
     )
-    per_chunk = budget - num_recent
-    offs = tl.arange(0, BLOCK)
-    in_row = offs < num_chunks * per_chunk
-    chunk = offs // tl.maximum(per_chunk, 1)
-    filled = tl.load(NumBest + row * num_chunks + chunk, mask=in_row, other=0)
-    is_candidate = in_row & (offs - chunk * per_chunk < filled)
-    slots = row * stride_best + offs
-    keys = _ordered_key(tl.load(BestScores + slots, mask=is_candidate, other=0.0))
-    keep, place = _keep_best(keys, is_candidate, num_top)
-    selected = Selected + row * stride_selected
-    tl.store(selected + place, tl.load(Best + slots, mask=keep, other=0), mask=keep)
-    _finish_row(
-        selected, NumSelected, row, num_units, num_candidates, num_top, budget, BUDGET_BLOCK
-    )
+    per_list = budget - num_recent
+    first = group * LISTS_PER_GROUP
+    not_empty = (tl.load(NumBest + row * num_lists + first) > 0) | FINAL
+    num_kept = tl.zeros((), tl.int32)
+    if not_empty:
+        offs = tl.arange(0, BLOCK)
+        lst = first + offs // per_list
+        in_group = (offs < LISTS_PER_GROUP * per_list) & (lst < num_lists)
+        filled = tl.load(NumBest + row * num_lists + lst, mask=in_group, other=0)
+        is_candidate = in_group & (offs - (lst - first) * per_list < filled)
+        slots = Best + row * stride_best + first * per_list + offs
+        scores = BestScores + row * stride_best + first * per_list + offs
+        keys = _ordered_key(tl.load(scores, mask=is_candidate, other=0.0))
+        keep, place = _keep_best(keys, is_candidate, num_top)
+        if FINAL:
+            tl.store(Out + row * stride_out + place, tl.load(slots, mask=keep), mask=keep)
+        else:
+            out = row * stride_out + group * per_list + place
+            tl.store(Out + out, tl.load(slots, mask=keep), mask=keep)
+            tl.store(OutScores + out, tl.load(scores, mask=keep), mask=keep)
+            num_kept = tl.sum(keep.to(tl.int32))
+    if FINAL:
+        _finish_row(
+            Out + row * stride_out, NumOut, row, num_units, num_candidates, num_top, budget,
+            BUDGET_BLOCK,
+        )  # fmt: skip
+    else:
+        tl.store(NumOut + row * tl.num_programs(1) + group, num_kept)
 
 
 def fused_fits(width: int, budget: int, num_recent: int) -> bool:
     """Whether ``select_units_fused`` takes rows of ``width`` units: one pass, or chunks whose
-    best candidates fit one more."""
-    chunks = triton.cdiv(width, FUSED_MAX_UNITS)
-    return chunks == 1 or chunks * (budget - num_recent) <= FUSED_MAX_UNITS
+    best candidates are merged in groups of at least two lists."""
+    return width <= FUSED_MAX_UNITS or 2 * (budget - num_recent) <= FUSED_MAX_UNITS
 
 
 def select_units_fused(
@@ -346,16 +371,17 @@ def select_units_fused(
     row_budget: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``select_pages`` (ascending order, not ``by_importance``) in one kernel, or two for rows
-    wider than FUSED_MAX_UNITS (``fused_fits``); the oracle is ``select_pages``. ``scores``
-    [batch, width] fp32 must cover every unit of each request; ``out`` (selected [batch, budget]
-    int32, num_selected [batch] int32) receives the result in place."""
+    """``select_pages`` (ascending order, not ``by_importance``) by the fused kernels: one pass
+    for rows of at most FUSED_MAX_UNITS units, else each chunk's best merged in a tree (rows
+    ``fused_fits`` takes); the oracle is ``select_pages``. ``scores`` [batch, width] fp32 must
+    cover every unit of each request; ``out`` (selected [batch, budget] int32, num_selected
+    [batch] int32) receives the result in place."""
     assert 0 <= num_recent <= budget, "the recency window must fit in the budget"
     batch, width = scores.shape
     if not fused_fits(width, budget, num_recent):
         raise ValueError(
-            f"select_units_fused: rows of {width} units with {budget - num_recent} to choose, "
-            f"at most {FUSED_MAX_UNITS} units or candidates"
+            f"select_units_fused: rows of {width} units with {budget - num_recent} to choose: "
+            f"at most {FUSED_MAX_UNITS} units, or {FUSED_MAX_UNITS // 2} to choose"
         )
     if out is None:
         out = (
@@ -364,26 +390,47 @@ def select_units_fused(
         )
     selected, num_selected = out
     rows = seq_lens if row_budget is None else row_budget
-    shared = {"PAGE": page_size, "HAS_ROW_BUDGET": row_budget is not None}
-    finish = {"BUDGET_BLOCK": triton.next_power_of_2(budget), "num_warps": 8}
-    if width <= FUSED_MAX_UNITS:
+    per_list = budget - num_recent
+    shared = {"PAGE": page_size, "HAS_ROW_BUDGET": row_budget is not None, "num_warps": 8}
+    finish = {"BUDGET_BLOCK": triton.next_power_of_2(budget)}
+    if width <= FUSED_MAX_UNITS or per_list == 0:  # (nothing to choose: only the recent units)
+        block = triton.next_power_of_2(width) if per_list else 16
         _select_kernel[(batch,)](
             scores, seq_lens, rows, selected, num_selected, scores.stride(0), selected.stride(0),
-            budget, num_recent, BLOCK=triton.next_power_of_2(width), **shared, **finish,
+            budget, num_recent, BLOCK=block, **shared, **finish,
         )  # fmt: skip
         return selected, num_selected
-    chunks, per_chunk = triton.cdiv(width, FUSED_MAX_UNITS), budget - num_recent
-    # the chunks' best, allocated here: inside a CUDA graph that is the graph's own pool
-    best = torch.empty(batch, chunks * per_chunk, dtype=torch.int32, device=scores.device)
-    best_scores = torch.empty(batch, chunks * per_chunk, dtype=scores.dtype, device=scores.device)
-    num_best = torch.empty(batch, chunks, dtype=torch.int32, device=scores.device)
-    _chunk_best_kernel[(batch, chunks)](
+    # Candidate lists, allocated here (inside a CUDA graph: the graph's own pool); the chunks'
+    # programs past a request's length, and merges of such chunks, only record empty lists.
+    lists = triton.cdiv(width, FUSED_MAX_UNITS)
+    best, best_scores, num_best = _candidate_lists(batch, lists, per_list, scores)
+    _chunk_best_kernel[(batch, lists)](
         scores, seq_lens, rows, best, best_scores, num_best, scores.stride(0), best.stride(0),
-        budget, num_recent, CHUNK=FUSED_MAX_UNITS, **shared, num_warps=8,
+        budget, num_recent, CHUNK=FUSED_MAX_UNITS, **shared,
     )  # fmt: skip
-    _merge_best_kernel[(batch,)](
-        best, best_scores, num_best, seq_lens, rows, selected, num_selected, best.stride(0),
-        selected.stride(0), budget, num_recent, chunks,
-        BLOCK=triton.next_power_of_2(max(chunks * per_chunk, 1)), **shared, **finish,
+    per_group = FUSED_MAX_UNITS // per_list
+    while lists > per_group:
+        groups = triton.cdiv(lists, per_group)
+        merged = _candidate_lists(batch, groups, per_list, scores)
+        _merge_best_kernel[(batch, groups)](
+            best, best_scores, num_best, seq_lens, rows, *merged, best.stride(0),
+            merged[0].stride(0), budget, num_recent, lists, LISTS_PER_GROUP=per_group,
+            FINAL=False, BLOCK=triton.next_power_of_2(per_group * per_list), **shared, **finish,
+        )  # fmt: skip
+        (best, best_scores, num_best), lists = merged, groups
+    _merge_best_kernel[(batch, 1)](
+        best, best_scores, num_best, seq_lens, rows, selected, best_scores, num_selected,
+        best.stride(0), selected.stride(0), budget, num_recent, lists, LISTS_PER_GROUP=lists,
+        FINAL=True, BLOCK=triton.next_power_of_2(lists * per_list), **shared, **finish,
     )  # fmt: skip
     return selected, num_selected
+
+
+def _candidate_lists(batch: int, lists: int, per_list: int, scores: torch.Tensor):
+    """(unit ids, their scores, counts) of ``lists`` candidate lists per row."""
+    device = scores.device
+    return (
+        torch.empty(batch, lists * per_list, dtype=torch.int32, device=device),
+        torch.empty(batch, lists * per_list, dtype=scores.dtype, device=device),
+        torch.empty(batch, lists, dtype=torch.int32, device=device),
+    )

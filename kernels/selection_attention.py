@@ -11,7 +11,8 @@ max (not sum) keeps a token that any single head favours, where a sum of signed 
 cancel out.
 
 Scores are per logical position, fp32, and -inf past the request's end (tokens >= seq_len, pages
-with no token), so a top-k over a padded row never picks padding.
+with no token) to the end of its last 256-token block; the rest of the row (sized to the server's
+context) is not written, as the selection reads only each request's own units.
 
 How: stage 1 of the split-KV kernel also stores the scaled logits [batch, q_heads, max_seq_len]
 (fp32); once stage 2 has each head's exact LSE, one fused kernel turns them into probabilities
@@ -55,27 +56,29 @@ def _scores_kernel(
     batch = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     seq_len = tl.load(SeqLens + batch)
-    offs_t = block * BLOCK_T + tl.arange(0, BLOCK_T)
-    valid_t = offs_t < seq_len
-    offs_h = tl.arange(0, BLOCK_HQ)
-    mask_h = offs_h < NUM_Q_HEADS
+    # the row's blocks past the request's last are left as they are: nothing reads them
+    if block * BLOCK_T < seq_len:
+        offs_t = block * BLOCK_T + tl.arange(0, BLOCK_T)
+        valid_t = offs_t < seq_len
+        offs_h = tl.arange(0, BLOCK_HQ)
+        mask_h = offs_h < NUM_Q_HEADS
 
-    logits = tl.load(
-        Logits + batch * stride_lg_b + offs_h[:, None] * stride_lg_h + offs_t[None, :],
-        mask=mask_h[:, None] & valid_t[None, :],
-        other=float("-inf"),
-    )
-    if USE_PROBS:
-        lse = tl.load(Lse + batch * NUM_Q_HEADS + offs_h, mask=mask_h, other=0.0)
-        logits = tl.exp(logits - lse[:, None])
-    token = tl.where(valid_t, tl.max(logits, 0), float("-inf"))
-    tl.store(TokenScores + batch * stride_ts_b + offs_t, token, mask=offs_t < max_seq_len)
+        logits = tl.load(
+            Logits + batch * stride_lg_b + offs_h[:, None] * stride_lg_h + offs_t[None, :],
+            mask=mask_h[:, None] & valid_t[None, :],
+            other=float("-inf"),
+        )
+        if USE_PROBS:
+            lse = tl.load(Lse + batch * NUM_Q_HEADS + offs_h, mask=mask_h, other=0.0)
+            logits = tl.exp(logits - lse[:, None])
+        token = tl.where(valid_t, tl.max(logits, 0), float("-inf"))
+        tl.store(TokenScores + batch * stride_ts_b + offs_t, token, mask=offs_t < max_seq_len)
 
-    if WRITE_PAGES:
-        page = tl.sum(tl.reshape(tl.where(valid_t, token, 0.0), [BLOCK_T // PAGE, PAGE]), 1)
-        offs_p = block * (BLOCK_T // PAGE) + tl.arange(0, BLOCK_T // PAGE)
-        page = tl.where(offs_p * PAGE < seq_len, page, float("-inf"))
-        tl.store(PageScores + batch * stride_ps_b + offs_p, page, mask=offs_p < max_pages)
+        if WRITE_PAGES:
+            page = tl.sum(tl.reshape(tl.where(valid_t, token, 0.0), [BLOCK_T // PAGE, PAGE]), 1)
+            offs_p = block * (BLOCK_T // PAGE) + tl.arange(0, BLOCK_T // PAGE)
+            page = tl.where(offs_p * PAGE < seq_len, page, float("-inf"))
+            tl.store(PageScores + batch * stride_ps_b + offs_p, page, mask=offs_p < max_pages)
 
 
 def score_tokens(
@@ -91,7 +94,9 @@ def score_tokens(
 ) -> None:
     """token_scores [batch, T] (and page_scores [batch, ceil(T / 16)] when given) from stage 1's
     logits [batch, q_heads, T] and stage 2's lse [batch, q_heads]: the max over heads of the
-    probability (``use_probs``) or of the logit, -inf past each request's end."""
+    probability (``use_probs``) or of the logit; -inf past each request's end up to the end of
+    its last ``block_t``-token block, entries past that block left untouched (the work follows
+    each request's length, not the row's: the selection reads no further)."""
     batch, num_q_heads, max_seq_len = logits.shape
     pages = token_scores if page_scores is None else page_scores  # an unwritten placeholder
     _scores_kernel[(batch, triton.cdiv(max_seq_len, block_t))](

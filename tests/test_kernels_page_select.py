@@ -136,30 +136,35 @@ def test_fused_selection_keeps_the_rule():
 
 
 def test_wide_rows_choose_among_each_chunks_best(monkeypatch):
-    # 64-unit chunks stand in for 8192-unit ones: rows of up to five chunks, ties across chunks
+    # 64-unit chunks stand in for 8192-unit ones: rows of up to twenty chunks, ties across chunks
     monkeypatch.setattr(page_select, "FUSED_MAX_UNITS", 64)
     gen = torch.Generator().manual_seed(5)
-    lens = torch.tensor([1, 60, 64, 65, 130, 200, 300, 320], dtype=torch.int32, device=DEVICE)
-    ties = torch.randint(-3, 3, (len(lens), 320), generator=gen).float().to(DEVICE) * 0.75
+    lens = [1, 60, 64, 65, 130, 200, 300, 640, 1000, 1280]
+    lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    ties = torch.randint(-3, 3, (len(lens), 1280), generator=gen).float().to(DEVICE) * 0.75
     ties[3, 64], ties[6, 5], ties[7, 100] = float("-inf"), -0.0, float("-inf")
-    own = torch.tensor([1, 2, 13, 4, 5, 13, 9, 3], dtype=torch.float32, device=DEVICE)
-    assert_fused_matches_oracle(ties, lens, 13, 1, 1)  # 5 chunks x 12 candidates <= 64
+    own = torch.tensor([1, 2, 13, 4, 5, 13, 9, 3, 13, 7], dtype=torch.float32, device=DEVICE)
+    # 12 candidates a list: 5 lists a merge, 20 chunks -> 4 lists -> the choice
+    assert_fused_matches_oracle(ties, lens, 13, 1, 1)
     assert_fused_matches_oracle(ties, lens, 13, 1, 1, own)
-    assert_fused_matches_oracle(ties, lens, 12, 0, 1)  # no recency window
-    assert_fused_matches_oracle(ties, lens, 3, 3, 1)  # recent units only: no candidates
+    assert_fused_matches_oracle(ties[:, :300], lens.clamp(max=300), 12, 0, 1)  # no recency window
+    assert_fused_matches_oracle(ties, lens, 3, 3, 1)  # recent units only: nothing to choose
     assert_fused_matches_oracle(ties, lens * 2, 7, 2, 2)  # units of two tokens
+    # 32 candidates a list, two lists a merge: 20 -> 10 -> 5 -> 3 -> 2 -> the choice
+    assert_fused_matches_oracle(ties, lens, 33, 1, 1, own * 2)
 
 
 def test_rows_wider_than_the_fused_kernels_take_take_the_top_k_path(monkeypatch):
     monkeypatch.setattr(page_select, "FUSED_MAX_UNITS", 64)
     scores = torch.rand(2, 200, device=DEVICE)
     lens = torch.tensor([200, 100], dtype=torch.int32, device=DEVICE)
-    # 4 chunks x 17 candidates > 64: the candidates would not fit one pass
-    assert page_select.fused_fits(200, 17, 1) and not page_select.fused_fits(200, 18, 1)
-    with pytest.raises(ValueError, match="at most 64"):
-        select_units_fused(scores, lens, 18, 1, 1)
-    chosen = unit_chooser(DEVICE, 18, 1, 1, by_importance=False)(scores, lens)
-    oracle = select_tokens(scores, lens, budget=18)
+    # merges take at least two lists of (budget - num_recent) candidates
+    assert page_select.fused_fits(200, 33, 1) and not page_select.fused_fits(200, 34, 1)
+    assert page_select.fused_fits(64, 64, 0)  # one pass holds the whole row
+    with pytest.raises(ValueError, match="at most 64 units, or 32 to choose"):
+        select_units_fused(scores, lens, 34, 1, 1)
+    chosen = unit_chooser(DEVICE, 34, 1, 1, by_importance=False)(scores, lens)
+    oracle = select_tokens(scores, lens, budget=34)
     assert torch.equal(chosen[0], oracle[0]) and torch.equal(chosen[1], oracle[1])
 
 

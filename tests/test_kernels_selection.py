@@ -10,6 +10,7 @@ from sglang_ext.kernels.selection_attention import (
     PAGE_SIZE,
     delta_selection_attention,
     page_scores_ref,
+    score_tokens,
     selection_attention_ref,
     tidal_selection_attention,
     tidal_token_scores_ref,
@@ -57,6 +58,23 @@ def test_scores_are_padded_and_pages_may_be_partial():
         torch.testing.assert_close(pages[num_pages - 1], tokens[last:seq_len].sum())
         # Each head's probabilities sum to 1, so their max over heads sums to [1, num_heads].
         assert 1 - 1e-4 <= tokens[:seq_len].sum() <= num_heads
+
+
+def test_scores_are_written_to_the_end_of_each_requests_last_block_only():
+    # 16-token blocks: rows of 64 tokens, requests of 5, 37 and 70 (all 64) tokens
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 64, generator=gen).to(DEVICE)
+    lse = torch.logsumexp(logits, dim=-1)
+    seq_lens = torch.tensor([5, 37, 70], dtype=torch.int32, device=DEVICE)
+    tokens = torch.full((3, 64), float("nan"), device=DEVICE)
+    pages = torch.full((3, 4), float("nan"), device=DEVICE)
+    score_tokens(logits, lse, seq_lens, tokens, pages, block_t=16)
+    for b, (seq_len, written) in enumerate([(5, 16), (37, 48), (64, 64)]):
+        probs = torch.exp(logits[b, :, :seq_len] - lse[b, :, None]).amax(dim=0)
+        torch.testing.assert_close(tokens[b, :seq_len], probs, **SCORE_TOL)
+        assert (tokens[b, seq_len:written] == float("-inf")).all()
+        assert tokens[b, written:].isnan().all()  # past the last block: untouched
+        assert pages[b, written // PAGE_SIZE :].isnan().all()
 
 
 def test_split_count_does_not_change_results():
