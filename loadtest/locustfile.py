@@ -9,9 +9,9 @@ The mix comes from the environment: LOADTEST_PROMPT_WORDS and LOADTEST_MAX_TOKEN
 each request picks one of each at random), LOADTEST_CHAT_WEIGHT and LOADTEST_GENERATE_WEIGHT (task
 weights, default 1 and 1), LOADTEST_API_KEY (sent as a bearer token when set),
 LOADTEST_KV_POLICIES (a JSON list of ``custom_params.kv_policy`` values, one picked per request;
-null: the server's policy), LOADTEST_ABORT_FRACTION (that fraction of /generate requests is aborted
-through ``POST /abort_request`` after its first tokens, on purpose: recorded as ``ABORTED …``,
-not as a failure), LOADTEST_IGNORE_EOS=1 (every request generates its max tokens: fixed lengths,
+null: the server's policy), LOADTEST_ABORT_FRACTION (that fraction of /generate requests, each
+user's first included, is aborted through ``POST /abort_request`` after its first tokens, on
+purpose: recorded as ``ABORTED …``, not as a failure), LOADTEST_IGNORE_EOS=1 (every request generates its max tokens: fixed lengths,
 for comparing servers), LOADTEST_TEMPERATURE (default 0.7).
 """
 
@@ -64,6 +64,19 @@ class ServingUser(FastHttpUser):
     def on_start(self) -> None:
         key = os.environ.get("LOADTEST_API_KEY")
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._abort_credit = 1.0 - ABORT_FRACTION  # the first /generate is aborted (see below)
+
+    def _aborts_next(self) -> bool:
+        """Every (1 / LOADTEST_ABORT_FRACTION)-th /generate of a user, its first included: the
+        fraction over a long run, and aborts even in a short one (a coin per request left a
+        one-minute run on a slow machine with none: 0.8^10)."""
+        if ABORT_FRACTION <= 0:
+            return False
+        self._abort_credit += ABORT_FRACTION
+        if self._abort_credit < 1.0 - 1e-9:
+            return False
+        self._abort_credit -= 1.0
+        return True
 
     def _stream(self, name: str, url: str, body: dict, tokens_in) -> None:
         """POST a streaming request; report TTFT and inter-token latency under ``name``: an event
@@ -112,7 +125,7 @@ class ServingUser(FastHttpUser):
             },
         }  # fmt: skip
         with_policy(body, "sampling_params")
-        if random.random() < ABORT_FRACTION:
+        if self._aborts_next():
             body["rid"] = uuid.uuid4().hex  # to abort it by id (POST /abort_request)
         def tokens_in(chunk: dict, seen: int) -> int:
             return chunk.get("meta_info", {}).get("completion_tokens", seen) - seen
