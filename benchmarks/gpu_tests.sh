@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_tests.sh kernels|engine   (one half per call: each stays under a call's limit)
 # On a fresh host run `kernels` first: it JIT-compiles FlashInfer's top-k once (about 2 min); the
 # engine half's six servers compiling it side by side on a cold host took longer than a call's 10 min.
+# Give the engine half a call's whole 10 min: on 2026-11-25 it had not finished in 7 min (no result).
 # JUnit XML goes to ${OUT:-/tmp}/gpu-tests[-PART].xml, the servers' logs under ${OUT:-/tmp}/pytest[-PART].
 set -euo pipefail
 source benchmarks/gpu_smol_model.sh
