@@ -166,10 +166,10 @@ def select_tokens(
 # cost most of a selection layer. It reads only the request's own units, held in registers, so
 # one pass takes rows of at most this many units: DELTA's pages at 128k tokens, Tidal's tokens at
 # 8k. A wider row is cut into chunks of this many units; each chunk keeps its own best (budget -
-# num_recent) candidates, and one more pass chooses among those (exact: a unit among the row's
-# best is among its chunk's best). That holds while the chunks' candidates fit one pass: Tidal's
-# 1024 tokens to 64k. Wider rows take FlashInfer's top-k (passes over rows held in memory were
-# measured slower than it: RESULTS.md, 2026-11-24 kernel_bench).
+# num_recent) candidates, and merges of as many lists as one pass holds choose among those, in a
+# tree, until one list is left (exact: a unit among the row's best is among its chunk's and its
+# group's best). Chunks and merges past a request's length skip their work. Passes over rows held
+# in memory, instead, were measured slower than FlashInfer's top-k (RESULTS.md, 2026-11-24).
 FUSED_MAX_UNITS = 8192
 
 

@@ -154,7 +154,7 @@ def test_wide_rows_choose_among_each_chunks_best(monkeypatch):
     assert_fused_matches_oracle(ties, lens, 33, 1, 1, own * 2)
 
 
-def test_rows_wider_than_the_fused_kernels_take_take_the_top_k_path(monkeypatch):
+def test_choices_wider_than_a_merge_holds_take_the_top_k_path(monkeypatch):
     monkeypatch.setattr(page_select, "FUSED_MAX_UNITS", 64)
     scores = torch.rand(2, 200, device=DEVICE)
     lens = torch.tensor([200, 100], dtype=torch.int32, device=DEVICE)
