@@ -19,7 +19,8 @@ from pathlib import Path
 
 
 from sglang_ext.engine_process import EngineServer, engine_env, free_port, log_tail  # noqa: F401  (re-exported)
-from sglang_ext.launch import CPU_DEFAULT_MAX_TOTAL_TOKENS, CUDA_DEFAULT_BACKEND
+from sglang_ext.engine.backends import default_cuda_backend
+from sglang_ext.launch import CPU_DEFAULT_MAX_TOTAL_TOKENS
 from sglang_ext.platform import cpu
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -208,7 +209,7 @@ def engine_flags(
     graphs stay on. On CPU the KV pool is capped as sglang_ext.launch caps it.
     """
     if cpu.is_cuda_host():
-        backend = attention_backend or CUDA_DEFAULT_BACKEND
+        backend = attention_backend or default_cuda_backend()
         flags = ["--attention-backend", backend, "--disable-prefill-cuda-graph"]
     else:
         flags = cpu.as_argv(cpu.server_flags())

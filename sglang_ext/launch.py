@@ -12,7 +12,7 @@ import os
 import sys
 
 from sglang_ext.config import export_policy, policy_from_flags
-from sglang_ext.engine.backends import POLICY_BASES
+from sglang_ext.engine.backends import POLICY_BASES, default_cuda_backend
 from sglang_ext.platform import cpu
 from sglang_ext.policies import KVPolicy, PolicyConfigError, policy_names
 from sglang_ext.server import validation
@@ -22,9 +22,6 @@ DEFAULT_PORT = 30000
 # SmolLM2-135M holds ~23 KB of KV per token; without a cap SGLang sizes the pool from host memory
 # on CPU and spends a minute zero-filling gigabytes.
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
-# FlashInfer: SGLang's fastest backend we can extend (fa3, its Hopper default, is within 5% but
-# plans nothing a policy could reuse); a policy's full layers run FlashInfer's own decode.
-CUDA_DEFAULT_BACKEND = "flashinfer"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,7 +86,7 @@ def sglang_argv(argv: list[str], policy: KVPolicy | None = None) -> list[str]:
     if not _has_flag(out, "--host"):
         out += ["--host", DEFAULT_HOST]
     if cpu.is_cuda_host():
-        defaults = {"--attention-backend": CUDA_DEFAULT_BACKEND}
+        defaults = {"--attention-backend": default_cuda_backend()}
     else:
         defaults = cpu.server_flags()
         if not _has_flag(out, "--mem-fraction-static"):

@@ -53,8 +53,8 @@ def test_exported_policy_is_what_engine_processes_build(monkeypatch):
             ["argument --policy-config:", "field delta.recent_pages", "budget_pages=8"],
         ),
         (
-            ["--attention-backend", "fa3"],
-            ["argument --attention-backend:", "valid: flashinfer, triton, torch_native"],
+            ["--attention-backend", "flex_attention"],
+            ["argument --attention-backend:", "valid: fa3, flashinfer, triton, torch_native"],
         ),
     ],
 )

@@ -29,7 +29,7 @@ print(json.dumps({
     "wrapped": sorted(t for t, f in resolved.items() if hasattr(f, "__wrapped__")),
     "ours": sorted(t for t, f in resolved.items() if getattr(f, "__module__", "").startswith("sglang_ext")),
     "registered": sorted(HookRegistry._hooks),
-    "backends": {n: ATTENTION_BACKENDS[n].__module__ for n in ("flashinfer", "triton", "torch_native")},
+    "backends": {n: ATTENTION_BACKENDS[n].__module__ for n in ("fa3", "flashinfer", "triton", "torch_native")},
 }))
 """
 

@@ -1,6 +1,7 @@
 """The GPU tier of the engine tests: the real SGLang engine on CUDA with SmolLM2's real weights,
-CUDA graphs on, the policies on the FlashInfer base (the launcher's default there). Skipped
-without CUDA; on the GPU machine ``benchmarks/gpu_tests.sh`` runs it with the kernel tests."""
+CUDA graphs on, the policies on the launcher's default base (fa3 on Hopper) and two of them on
+FlashInfer's. Skipped without CUDA; on the GPU machine ``benchmarks/gpu_tests.sh`` runs it with
+the kernel tests."""
 
 import statistics
 import sys
@@ -10,6 +11,7 @@ import requests
 import torch
 
 from server import ServerProcess, free_port, policy_servers
+from sglang_ext.engine.backends import default_cuda_backend
 
 pytestmark = [
     pytest.mark.engine,
@@ -35,23 +37,27 @@ COMMON = [
     "--max-running-requests", "16", "--cuda-graph-max-bs", "16", "--log-level", "info",
 ]  # fmt: skip
 THRESHOLD, MAX_KV_RATIO = 128, 0.3
+ON_FLASHINFER = ["--attention-backend", "flashinfer"]
+# name -> (policy, its config, flags beyond COMMON)
 CONFIGS = {
-    "full": ("full", None),
-    "delta": ("delta", None),  # 64 pages: covers every prompt here
-    "delta_small": ("delta", {"budget_pages": 4, "recent_pages": 1}),
-    "tidal_small": ("tidal", {"budget_tokens": 64}),
-    "lethe": ("lethe", {"evict_threshold": THRESHOLD, "max_kv_ratio": MAX_KV_RATIO}),
+    "full": ("full", None, []),
+    "delta": ("delta", None, []),  # 64 pages: covers every prompt here
+    "delta_small": ("delta", {"budget_pages": 4, "recent_pages": 1}, ON_FLASHINFER),
+    "tidal_small": ("tidal", {"budget_tokens": 64}, ON_FLASHINFER),
+    "lethe": ("lethe", {"evict_threshold": THRESHOLD, "max_kv_ratio": MAX_KV_RATIO}, []),
 }
+BACKEND_CLASS = {"fa3": "PolicyFlashAttentionBackend", "flashinfer": "PolicyFlashInferAttnBackend"}
 
 
 @pytest.fixture(scope="module")
 def servers(model_path, strict_env, tmp_path_factory):
     logs = tmp_path_factory.mktemp("gpu-engine-logs")
-    configs = {name: (policy, config, COMMON) for name, (policy, config) in CONFIGS.items()}
+    configs = {name: (policy, config, COMMON + flags) for name, (policy, config, flags) in CONFIGS.items()}
     port = free_port()
     vanilla_argv = [
         sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
-        "--attention-backend", "flashinfer", "--host", "127.0.0.1", "--port", str(port), *COMMON,
+        "--attention-backend", default_cuda_backend(), "--host", "127.0.0.1", "--port", str(port),
+        *COMMON,
     ]  # fmt: skip
     vanilla = ServerProcess(vanilla_argv, strict_env, logs / "vanilla.log", port).start()
     try:
@@ -84,23 +90,28 @@ def assert_exact_and_healthy(server):
     assert "Mem Leak" not in server.log() and "Traceback" not in server.log()
 
 
+def test_the_default_base_on_hopper_is_fa3():
+    assert torch.cuda.get_device_capability()[0] != 9 or default_cuda_backend() == "fa3"
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_policies_decode_on_flashinfer_with_cuda_graphs(servers, name):
+def test_policies_decode_on_their_base_with_cuda_graphs(servers, name):
     generate(servers[name], PROMPTS[0], max_new_tokens=48)  # SGLang logs every 40th decode batch
     log = servers[name].log()
-    assert "PolicyFlashInferAttnBackend decoding with policy" in log
+    base = "flashinfer" if "flashinfer" in CONFIGS[name][2] else default_cuda_backend()
+    assert f"{BACKEND_CLASS[base]} decoding with policy" in log
     decodes = [line for line in log.splitlines() if "Decode batch" in line]
     assert decodes and all("cuda graph: True" in line for line in decodes)
 
 
-def test_full_gives_vanilla_flashinfers_greedy_tokens(servers):
+def test_full_gives_vanillas_greedy_tokens_on_the_same_base(servers):
     ours = generate(servers["full"], PROMPTS)
     theirs = generate(servers["vanilla"], PROMPTS)
     assert [o["output_ids"] for o in ours] == [t["output_ids"] for t in theirs]
 
 
 def test_delta_with_a_covering_budget_follows_full(servers):
-    # Its sparse layers attend to every token through our kernel, FlashInfer's full layers round
+    # Its sparse layers attend to every token through our kernel, the engine's full layers round
     # differently in bf16, and the difference compounds token by token (0.126 nats at most, most
     # gaps under 0.02, seen on the H100); a page left out or misplaced moves logprobs by whole nats.
     # Tokens part only where full's best few nearly tie (seen: a third choice 30 vs full's 28):

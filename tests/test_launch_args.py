@@ -36,10 +36,38 @@ def test_user_flags_win_in_both_spellings(cpu_host):
     assert "--max-total-tokens" not in argv
 
 
-def test_cuda_host_defaults_to_the_flashinfer_backend_and_no_cpu_flags(cuda_host):
+def _gpu(monkeypatch, tmp_path, major: int, fa3_library: bool):
+    """A CUDA GPU of compute capability ``major`` whose sgl_kernel does (not) ship FA3's library."""
+    import importlib.machinery
+    import importlib.util
+
+    import torch
+
+    package = tmp_path / "sgl_kernel"
+    package.mkdir()
+    if fa3_library:
+        (package / "flash_ops.abi3.so").write_bytes(b"")
+    spec = importlib.machinery.ModuleSpec("sgl_kernel", None, is_package=True)
+    spec.submodule_search_locations = [str(package)]
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: spec if name == "sgl_kernel" else find_spec(name, *a)
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (major, 0))
+
+
+def test_cuda_host_defaults_to_fa3_on_hopper_and_no_cpu_flags(cuda_host, monkeypatch, tmp_path):
+    _gpu(monkeypatch, tmp_path, major=9, fa3_library=True)
     argv = launch.sglang_argv(["--model-path", "m"])
-    assert _value(argv, "--attention-backend") == "flashinfer"
+    assert _value(argv, "--attention-backend") == "fa3"
     assert "--device" not in argv and "--disable-cuda-graph" not in argv
+    assert _value(launch.sglang_argv(["--attention-backend", "triton"]), "--attention-backend") == "triton"
+
+
+@pytest.mark.parametrize(("major", "fa3_library"), [(9, False), (8, True), (10, True)])
+def test_cuda_host_defaults_to_flashinfer_without_hoppers_fa3(cuda_host, monkeypatch, tmp_path, major, fa3_library):
+    _gpu(monkeypatch, tmp_path, major, fa3_library)
+    assert _value(launch.sglang_argv(["--model-path", "m"]), "--attention-backend") == "flashinfer"
 
 
 def test_embedded_model_is_the_default(cpu_host, monkeypatch, tmp_path):
@@ -58,7 +86,7 @@ def _refused(argv, policy="full"):
 def test_decode_backend_override_is_checked(cpu_host):
     launch._check_engine_flags(launch.build_parser(), ["--attention-backend", "torch_native"], build_policy("full"))
     assert _refused(["--attention-backend", "torch_native", "--decode-attention-backend", "flex_attention"]) == 2
-    for wrapped in ("flashinfer", "triton"):
+    for wrapped in ("fa3", "flashinfer", "triton"):
         launch._check_engine_flags(launch.build_parser(), ["--attention-backend", wrapped], build_policy("delta"))
 
 

@@ -1,9 +1,10 @@
 """Attention backends that hand each layer's decode to the served policy's runtime.
 
-They subclass SGLang's own backends (flashinfer, the default, and triton on CUDA; torch_native on
-CPU) and are registered under the same names (SGLang's ``register_attention_backend``), because
-SGLang branches on the backend's name in many places (CUDA graphs, which index kernels run on
-CPU); a new name would silently change those decisions. They are registered only when a policy is served.
+They subclass SGLang's own backends (fa3, SGLang's default on Hopper and ours there; flashinfer,
+the default on other CUDA GPUs; triton; torch_native on CPU) and are registered under the same
+names (SGLang's ``register_attention_backend``), because SGLang branches on the backend's name in
+many places (CUDA graphs, which index kernels run on CPU); a new name would silently change those
+decisions. They are registered only when a policy is served.
 
 Per batch the backend runs SGLang's own metadata setup, then the runtime's ``prepare_decode``:
 eagerly, or inside the CUDA graph (``init_forward_metadata_in_graph``, recorded at capture).
@@ -171,6 +172,37 @@ def _flashinfer_backend() -> type:
 
 
 @functools.cache
+def _fa3_backend() -> type:
+    from sglang.srt.layers.attention.flashattention_backend import FlashAttentionBackend
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    class PolicyFlashAttentionBackend(PolicyDispatchMixin, FlashAttentionBackend):
+        def __init__(self, model_runner, policy: KVPolicy):
+            if model_runner.use_mla_backend:
+                raise EngineAdapterError(
+                    "--attention-backend fa3: sglang_ext policies do not decode MLA models"
+                )
+            if model_runner.kv_cache_dtype_str == "mxfp8":
+                raise EngineAdapterError(
+                    "--kv-cache-dtype mxfp8: sglang_ext policies read bf16/fp16/fp8 KV only"
+                )
+            if torch.cuda.get_device_capability()[0] not in (8, 9):
+                # as SGLang's own fa3 factory checks (FA3 runs on SM 8.x and 9.x)
+                raise EngineAdapterError(
+                    "--attention-backend fa3: FlashAttention 3 needs an SM 8.x or 9.x GPU; "
+                    "use --attention-backend flashinfer"
+                )
+            super().__init__(model_runner, policy)
+
+        def write_decode_kv(self, layer, forward_batch, k, v) -> None:
+            # as FlashAttentionBackend.forward_decode does for a non-MLA, non-mxfp8 model
+            loc = KVWriteLoc(forward_batch.out_cache_loc, self.forward_metadata.swa_out_cache_loc)
+            self.token_to_kv_pool.set_kv_buffer(layer, loc, k, v, layer.k_scale, layer.v_scale)
+
+    return PolicyFlashAttentionBackend
+
+
+@functools.cache
 def _torch_native_backend() -> type:
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
@@ -186,6 +218,7 @@ def _torch_native_backend() -> type:
 
 # SGLang backend name -> our subclass of it (imported lazily: the triton module is heavy).
 POLICY_BASES: dict[str, Callable[[], type]] = {
+    "fa3": _fa3_backend,
     "flashinfer": _flashinfer_backend,
     "triton": _triton_backend,
     "torch_native": _torch_native_backend,
@@ -205,3 +238,19 @@ def register_backends(policy: KVPolicy) -> None:
             return backend
 
         register_attention_backend(name)(create)
+
+
+def default_cuda_backend() -> str:
+    """The backend a policy decodes through when the user names none: fa3 on Hopper where
+    sgl_kernel ships FlashAttention 3's library (SGLang's own default for these models there, and
+    the fastest measured), flashinfer on other CUDA GPUs (SGLang's default there but for
+    Blackwell's trtllm_mha, which we do not wrap)."""
+    import importlib.util
+    from pathlib import Path
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        return "flashinfer"
+    spec = importlib.util.find_spec("sgl_kernel")
+    folders = spec.submodule_search_locations if spec is not None else None
+    has_fa3 = any(any(Path(f).glob("flash_ops*.so")) for f in folders or [])
+    return "fa3" if has_fa3 else "flashinfer"
