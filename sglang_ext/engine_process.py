@@ -137,11 +137,12 @@ class EngineServer:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def stop(self) -> None:
-        """SIGTERM to the server, which shuts its own children down; the group is killed after."""
+    def stop(self, graceful: bool = True) -> None:
+        """SIGTERM to the server, which drains and shuts its own children down, then the group is
+        killed; ``graceful=False`` kills the group at once (SGLang's drain and shutdown take 5-30 s)."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
+        if graceful and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=30)
@@ -152,3 +153,4 @@ class EngineServer:
             os.killpg(self.proc.pid, signal.SIGKILL)  # whatever child outlived it
         except ProcessLookupError:
             pass
+        self.proc.wait()
