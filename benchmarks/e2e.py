@@ -283,7 +283,10 @@ def measure_policy(args, policy: str, prompts: list[list[int]], info: RunInfo) -
 
 def partial_path(args, policy: str) -> Path:
     run = f"{harness.run_label(args)}-{args.requests}x{args.input_len}-{args.output_len}"
-    return args.partial_dir / f"{BENCH}-partial-{run}-{policy}.json"
+    # letters, digits, '.', '_' and '-' only: a policy's '@backend' or '+art' kept files of a
+    # device call from coming back (the policy's name is inside the file)
+    safe = policy if policy == "*" else re.sub(r"[^A-Za-z0-9._-]", "_", policy)
+    return args.partial_dir / f"{BENCH}-partial-{run}-{safe}.json"
 
 
 def saved_runs(args) -> list[PolicyRun]:

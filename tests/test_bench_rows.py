@@ -1,6 +1,8 @@
 """What benchmark rows say about a run: each policy's budget, which server a NAME@BACKEND starts,
 which vanilla run a policy's greedy tokens are compared with, and a decode step's bandwidth floor."""
 
+import re
+
 import pytest
 
 from benchmarks import decode_profile, decode_step, e2e, harness, host_step
@@ -36,6 +38,14 @@ def test_greedy_tokens_are_compared_with_vanilla_on_the_same_backend():
     args = e2e.build_parser().parse_args(["--shape", "qwen1.5b"])
     rows = e2e.greedy_match_rows(harness.RunInfo.detect(), args, runs)
     assert {r.policy: r.value for r in rows} == {"vanilla@fa3": 1.0, "vanilla@flashinfer": 1.0, "full": 0.5}
+
+
+def test_partial_runs_are_saved_under_plain_file_names_and_found_again(tmp_path):
+    args = e2e.build_parser().parse_args(["--shape", "qwen1.5b", "--partial-dir", str(tmp_path)])
+    for policy in ("vanilla@fa3", "delta+art@flashinfer", "lethe"):
+        e2e.PolicyRun(policy, "dev", "0.5.17", "today", 1.0, 0, [], [], "fa3").save(e2e.partial_path(args, policy))
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", path.name) for path in tmp_path.iterdir())
+    assert [run.policy for run in e2e.saved_runs(args)] == ["vanilla@fa3", "delta+art@flashinfer", "lethe"]
 
 
 def test_a_decode_steps_floor_reads_the_weights_once_and_each_attended_tokens_kv_once():
