@@ -145,7 +145,9 @@ def common_parser(bench: str, doc: str) -> argparse.ArgumentParser:
     return parser
 
 
-def trace_parser(bench: str, doc: str, lengths: list[int], decode_steps: int) -> argparse.ArgumentParser:
+def trace_parser(
+    bench: str, doc: str, lengths: list[int], decode_steps: int | None = None
+) -> argparse.ArgumentParser:
     """The flags of the benchmarks that replay full-attention decode traces of real weights on the
     CPU (sglang_ext.attention_trace): which model, prompts and steps, where results go."""
     from sglang_ext.attention_trace import SEED_TEXT_DIR
@@ -157,7 +159,8 @@ def trace_parser(bench: str, doc: str, lengths: list[int], decode_steps: int) ->
         "--model-path", type=Path, default=None, help="HF folder (default: SmolLM2)"
     )
     parser.add_argument("--lengths", type=int_list, default=lengths)
-    parser.add_argument("--decode-steps", type=int, default=decode_steps)
+    if decode_steps is not None:
+        parser.add_argument("--decode-steps", type=int, default=decode_steps)
     parser.add_argument("--prompts-per-length", type=int, default=2)
     parser.add_argument("--text-dir", type=Path, default=SEED_TEXT_DIR)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")

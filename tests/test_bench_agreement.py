@@ -1,0 +1,55 @@
+"""The teacher-forced agreement benchmark, a small run on SmolLM2's real weights: its one-step path
+reproduces full attention, a budget covering the context is exact, small budgets and a window
+are not, and bf16 sits between."""
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import agreement
+
+
+@pytest.fixture(scope="module")
+def values(model_path, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("agreement")
+    agreement.main([
+        "--model-path", str(model_path), "--lengths", "384", "--prompts-per-length", "1",
+        "--positions-from", "256", "--stride", "32", "--budgets", "128,512", "--window", "64",
+        "--out-dir", str(out), "--results-md", str(out / "RESULTS.md"),
+    ])  # fmt: skip
+    (rows_path,) = out.glob("agreement-*.json")
+    rows = json.loads(rows_path.read_text())
+    return {(row["policy"], row["metric"]): row["value"] for row in rows}
+
+
+def test_the_one_step_path_and_covering_budgets_reproduce_full_attention(values):
+    for label in ("full", "delta-512", "tidal-512"):  # 512 tokens cover the 384-token passage
+        assert values[label, "top1_agreement"] == 1.0
+        assert values[label, "kl_nats"] < 1e-6, label
+
+
+def test_small_budgets_and_the_window_move_the_distribution(values):
+    kl = {label: values[label, "kl_nats"] for label in ("delta-128", "tidal-128", "window-64")}
+    assert all(value > 1e-4 for value in kl.values()), kl
+    # the selections keep what matters far better than the last 64 tokens do
+    assert kl["window-64"] > 10 * max(kl["delta-128"], kl["tidal-128"]), kl
+
+
+def test_bf16_is_a_noise_floor_above_the_paths_own_error(values):
+    assert values["full", "kl_nats"] * 100 < values["bf16", "kl_nats"] < 0.05
+
+
+def test_agreement_of_equal_and_of_different_distributions():
+    reference = torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0]])
+    top1, kl = agreement.agreement(reference, reference)
+    assert top1.tolist() == [1.0, 1.0] and kl.abs().max() < 1e-7
+    top1, kl = agreement.agreement(reference, reference.flip(-1))
+    assert top1.tolist() == [0.0, 1.0] and bool((kl > 0).all())
+
+
+def test_positions_outside_the_passage_are_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit:
+        agreement.main(["--lengths", "4096,128", "--positions-from", "128", "--out-dir", str(tmp_path)])
+    assert exit.value.code == 2 and "--positions-from 128" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
