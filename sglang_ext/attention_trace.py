@@ -193,9 +193,12 @@ def attention_recall(probs: torch.Tensor, tokens: torch.Tensor) -> float:
     return float(probs[:, tokens].sum(dim=-1).mean())
 
 
-def natural_text_prompts(tokenizer, lengths: list[int], text_dir: Path = SEED_TEXT_DIR):
+def natural_text_prompts(
+    tokenizer, lengths: list[int], text_dir: Path = SEED_TEXT_DIR, first_file: int = 0
+):
     """One prompt of natural text per length, exactly that many tokens, and where the text comes
-    from. Prompt i reads the text files in turn from the i-th on, so prompts start differently."""
+    from. Prompt i reads the text files in turn from the (first_file + i)-th on, so prompts start
+    differently (and a calibration can read other text than a benchmark)."""
     files = sorted(text_dir.glob("*.txt")) if text_dir.is_dir() else []
     source = f"the text files in {text_dir}"
     if not files:
@@ -208,10 +211,11 @@ def natural_text_prompts(tokenizer, lengths: list[int], text_dir: Path = SEED_TE
     for i, length in enumerate(lengths):
         ids: list[int] = []
         for j in range(len(texts)):
-            ids += texts[(i + j) % len(texts)]
+            ids += texts[(first_file + i + j) % len(texts)]
         if len(ids) < length:
             raise ValueError(f"{source} hold {len(ids)} tokens, fewer than {length}")
         prompts.append(ids[:length])
     names = [f.name for f in files]
-    description = f"{source}: prompt i reads {names} in turn from the i-th, cut to its length"
+    start = f"the ({first_file} + i)-th"
+    description = f"{source}: prompt i reads {names} in turn from {start}, cut to its length"
     return prompts, description

@@ -13,17 +13,17 @@ It decodes a few long natural-text prompts greedily under full attention
   sparse layer reads with that layer's own top-k (same score, q·k max over heads, k =
   --budget-tokens), mean over sparse layers, steps and prompts.
 
-Choice, after full layers [0, 1] (both papers):
-
-- DELTA: layer 2 is the first Δ-layer (Sec. 5.1). The paper takes the later ones "with large shifts
-  while ensuring that they are well distributed across the network depth"; here that rule is made
-  exact: layers 3..L-1 are cut into num_delta_layers - 1 contiguous spans of equal depth and each
-  span contributes its layer of largest shift. The paper's published choices ([2, 14, 22] and
-  [2, 14, 23] of 28, [2, 8, 31] of 32, [2, 6, 42] of 48) each put one later Δ-layer in each half.
-- TidalDecode: selection layers [2, R] with R of highest recall (the peak of Fig. 2b).
+Choice, after full layers [0, 1] (both papers), by what the layers do to the model's output: the
+teacher-forced next-token agreement with full attention (sglang_ext.agreement) on other text than
+the measurements' (``--agreement-first-text``), at a ``--agreement-budget-tokens`` budget. Layer 2
+is the first selection layer (both papers); the later ones are added one at a time, each the layer
+whose addition gives the lowest mean KL(full ‖ policy): DELTA to ``--num-delta-layers``, Tidal one
+re-selection layer. On SmolLM2 the proxies above chose [2, 12, 29] and [2, 12], which the
+agreement benchmark measured far from full attention (RESULTS.md, agreement, 2026-11-25).
 
     python -m sglang_ext.calibrate [--model-path P] [--prompts 2048,3072,4096] [--decode-steps 32]
-        [--budget-tokens 256] [--num-delta-layers 3] [--out FILE.json] [--plot FILE.png]
+        [--budget-tokens 256] [--num-delta-layers 3] [--agreement-prompts 4096,4096]
+        [--agreement-budget-tokens 1024] [--out FILE.json] [--plot FILE.png]
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from sglang_ext import agreement as ag
 from sglang_ext import attention_trace as at
 from sglang_ext.policies import build_policy
 from sglang_ext.policies.calibration import FORMAT, calibration_dir, model_fingerprint
@@ -116,36 +117,41 @@ def mean_measurements(per_trace: list[dict]) -> dict[str, list[float | None]]:
     }
 
 
-def choose_delta_layers(shift: list[float | None], num_delta_layers: int) -> list[int]:
-    """Layer 2, then the largest-shift layer of each of num_delta_layers - 1 equal spans of
-    layers 3..L-1."""
-    later = list(range(FIRST_SELECTION_LAYER + 1, len(shift)))
-    if not 1 <= num_delta_layers <= len(later) + 1:
-        raise ValueError(f"num_delta_layers must be in [1, {len(later) + 1}]")
-    spans = torch.tensor(later).tensor_split(num_delta_layers - 1) if num_delta_layers > 1 else []
-    return [FIRST_SELECTION_LAYER] + [
-        max(span.tolist(), key=lambda layer: shift[layer]) for span in spans
+def agreement_passages(model_path: Path, tokenizer, args) -> tuple[object, list[ag.Passage], str]:
+    """The texts the layer choice is measured on, prefilled, with every --agreement-stride-th
+    position from a quarter of each measured."""
+    lengths = [int(part) for part in args.agreement_prompts.split(",") if part]
+    texts, source = at.natural_text_prompts(
+        tokenizer, lengths, args.text_dir, first_file=args.agreement_first_text
+    )
+    model = ag.load_model(model_path)
+    passages = [
+        ag.Passage.prefill(model, ids, list(range(len(ids) // 4, len(ids), args.agreement_stride)))
+        for ids in texts
     ]
+    return model, passages, source
 
 
-def choose_tidal_layers(recall: list[float | None]) -> list[int]:
-    """Layer 2 and the re-selection layer of highest recall (the lowest such layer on a tie)."""
-    candidates = [layer for layer, value in enumerate(recall) if value is not None]
-    return [FIRST_SELECTION_LAYER, max(candidates, key=lambda layer: (recall[layer], -layer))]
-
-
-def calibration(measurements: dict, num_delta_layers: int) -> dict:
-    """The layer lists of both policies, chosen from the mean measurements."""
-    return {
-        "delta": {
-            "full_layers": FULL_LAYERS,
-            "delta_layers": choose_delta_layers(measurements["attention_shift"], num_delta_layers),
-        },
-        "tidal": {
-            "full_layers": FULL_LAYERS,
-            "selection_layers": choose_tidal_layers(measurements["tidal_topk_recall"]),
-        },
-    }
+def choose_layers(model, passages: list[ag.Passage], args) -> tuple[dict, dict]:
+    """Both policies' layer lists by agreement, and every candidate's mean KL."""
+    budget = args.agreement_budget_tokens
+    make = {
+        "delta": lambda layers: build_policy("delta", {
+            "full_layers": FULL_LAYERS, "delta_layers": layers,
+            "budget_pages": max(1, budget // 16), "recent_pages": max(1, budget // 128),
+        }),
+        "tidal": lambda layers: build_policy("tidal", {
+            "full_layers": FULL_LAYERS, "selection_layers": layers, "budget_tokens": budget,
+        }),
+    }  # fmt: skip
+    counts = {"delta": args.num_delta_layers, "tidal": 2}
+    field = {"delta": "delta_layers", "tidal": "selection_layers"}
+    chosen, tried = {}, {}
+    for name in make:
+        first = [FIRST_SELECTION_LAYER]
+        layers, tried[name] = ag.greedy_layers(model, passages, make[name], first, counts[name])
+        chosen[name] = {"full_layers": FULL_LAYERS, field[name]: layers}
+    return chosen, tried
 
 
 def model_slug(model_path: Path) -> str:
@@ -217,6 +223,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget-tokens", type=int, default=256, help="k of TidalDecode's top-k")
     parser.add_argument("--num-delta-layers", type=int, default=3)
     parser.add_argument(
+        "--agreement-prompts",
+        default="4096,4096",
+        help="lengths of the texts the layer choice is measured on, one each",
+    )
+    parser.add_argument(
+        "--agreement-first-text",
+        type=int,
+        default=3,
+        help="the text file the first of them starts with (3: not the benchmarks' texts)",
+    )
+    parser.add_argument("--agreement-stride", type=int, default=128, help="every n-th position")
+    parser.add_argument("--agreement-budget-tokens", type=int, default=1024)
+    parser.add_argument(
         "--out", type=Path, default=None, help="default: <calibration dir>/<model>.json"
     )
     parser.add_argument("--plot", type=Path, default=None, help="also write this PNG")
@@ -234,9 +253,10 @@ def main(argv: list[str] | None = None) -> Path:
 
     model_path = args.model_path or default_model_path()
     lengths = [int(part) for part in args.prompts.split(",") if part]
-    prompts, prompt_source = at.natural_text_prompts(
-        AutoTokenizer.from_pretrained(str(model_path)), lengths, args.text_dir
-    )
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    prompts, prompt_source = at.natural_text_prompts(tokenizer, lengths, args.text_dir)
+    model, passages, agreement_source = agreement_passages(model_path, tokenizer, args)
+    chosen, agreement_kl = choose_layers(model, passages, args)
     model = at.load_model(model_path)
     per_trace = []
     for ids in prompts:
@@ -245,17 +265,23 @@ def main(argv: list[str] | None = None) -> Path:
         per_trace.append(measure(trace, args.budget_tokens))
         elapsed = time.perf_counter() - start
         print(f"calibrate: {len(ids)}-token prompt in {elapsed:.0f} s", file=sys.stderr, flush=True)
-    measurements = {**mean_measurements(per_trace), "tidal_budget_tokens": args.budget_tokens}
+    measurements = {
+        **mean_measurements(per_trace),
+        "tidal_budget_tokens": args.budget_tokens,
+        "agreement_kl": agreement_kl,
+        "agreement_budget_tokens": args.agreement_budget_tokens,
+    }
     now = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
     data = {
         "format": FORMAT,
         "model": model_fingerprint(model.config),
-        **calibration(measurements, args.num_delta_layers),
+        **chosen,
         "measurements": measurements,
         "source": {
             "model": model_path.name,
             "prompts": prompt_source,
             "prompts_tokens": lengths,
+            "agreement_prompts": agreement_source,
             "decode_steps": args.decode_steps,
             "date": now.isoformat().replace("+00:00", "Z"),
             "command": shlex.join(["python", "-m", "sglang_ext.calibrate", *argv]),

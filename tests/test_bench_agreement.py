@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from benchmarks import agreement
+from sglang_ext import agreement as ag
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +43,16 @@ def test_bf16_is_a_noise_floor_above_the_paths_own_error(values):
 
 def test_agreement_of_equal_and_of_different_distributions():
     reference = torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0]])
-    top1, kl = agreement.agreement(reference, reference)
+    top1, kl = ag.agreement(reference, reference)
     assert top1.tolist() == [1.0, 1.0] and kl.abs().max() < 1e-7
-    top1, kl = agreement.agreement(reference, reference.flip(-1))
+    top1, kl = ag.agreement(reference, reference.flip(-1))
     assert top1.tolist() == [0.0, 1.0] and bool((kl > 0).all())
 
 
 def test_positions_outside_the_passage_are_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit:
-        agreement.main(["--lengths", "4096,128", "--positions-from", "128", "--out-dir", str(tmp_path)])
+        agreement.main(
+            ["--lengths", "4096,128", "--positions-from", "128", "--out-dir", str(tmp_path)]
+        )
     assert exit.value.code == 2 and "--positions-from 128" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())

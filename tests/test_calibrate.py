@@ -2,14 +2,17 @@
 randomly initialised Llama (the real model's calibration is committed, not recomputed here)."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
-
-from sglang_ext import attention_trace as at
-from sglang_ext import calibrate
 from sglang_ext.policies import build_policy
 from sglang_ext.policies.calibration import find_calibration, model_fingerprint
+from sglang_ext.policies.selection import LayerRole
+
+from sglang_ext import agreement as ag
+from sglang_ext import attention_trace as at
+from sglang_ext import calibrate
 
 LAYERS, PROMPT_LEN, STEPS = 6, 200, 3
 
@@ -129,14 +132,27 @@ def test_delta_replay_keeps_budget_pages_with_the_recent_ones(trace):
         assert 0 < at.attention_recall(trace.probs(step, 5), tokens) < 1
 
 
-def test_layer_choices_follow_the_measurements():
-    shift = [None, 0.9, 0.8, 0.1, 0.5, 0.2, 0.3, 0.7, 0.1]
-    assert calibrate.choose_delta_layers(shift, 3) == [2, 4, 7]  # spans [3, 4, 5], [6, 7, 8]
-    assert calibrate.choose_delta_layers(shift, 1) == [2]
-    with pytest.raises(ValueError):
-        calibrate.choose_delta_layers(shift, 8)
-    recall = [None, None, None, 0.4, 0.6, 0.6, 0.5]
-    assert calibrate.choose_tidal_layers(recall) == [2, 4]
+def _selecting(reads) -> tuple[int, ...]:
+    return tuple(layer for layer, role in enumerate(reads.roles) if role is LayerRole.SELECT)
+
+
+def test_layers_are_added_one_at_a_time_each_of_lowest_kl(monkeypatch):
+    kl = {(2, 3): 0.5, (2, 4): 0.2, (2, 5): 0.2, (2, 3, 4): 0.3, (2, 4, 5): 0.1}
+    monkeypatch.setattr(
+        ag, "mean_kl", lambda model, passages, reads: kl.get(_selecting(reads), 1.0)
+    )
+    model = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=6))
+
+    def make(layers):
+        return build_policy(
+            "tidal", {"full_layers": [0, 1], "selection_layers": layers, "budget_tokens": 8}
+        )
+
+    layers, tried = ag.greedy_layers(model, [], make, [2], 3)
+    assert layers == [2, 4, 5]  # 4 before 5 on their tie, then 5 is the better third
+    assert tried["[2, 4]"] == 0.2 and tried["[2, 3, 4]"] == 0.3 and len(tried) == 5
+    with pytest.raises(ValueError, match="do not fit"):
+        ag.greedy_layers(model, [], make, [2], 5)
 
 
 def test_natural_text_prompts_have_exact_lengths_and_fall_back_to_stdlib(tmp_path, model_path):
@@ -156,6 +172,8 @@ def test_cli_writes_a_calibration_the_policies_find_and_accept(
     out = calibrate.main([
         "--model-path", str(tiny_model_dir), "--prompts", "150,220", "--decode-steps", "2",
         "--budget-tokens", "32", "--plot", str(tmp_path / "plot.png"),
+        "--agreement-prompts", "120,120", "--agreement-stride", "16",
+        "--agreement-budget-tokens", "32",
     ])  # fmt: skip
     assert out == tmp_path / "calibrations" / f"{tiny_model_dir.name}.json"
     assert (tmp_path / "plot.png").stat().st_size > 0
@@ -171,7 +189,7 @@ def test_cli_writes_a_calibration_the_policies_find_and_accept(
     measured = found["measurements"]
     assert measured["attention_shift"][0] is None
     assert all(0 <= v <= 1 for v in measured["attention_shift"][1:])
-    assert tidal.selection_layers[1] == max(
-        range(3, LAYERS), key=lambda r: measured["tidal_topk_recall"][r]
-    )
+    tried = measured["agreement_kl"]["tidal"]
+    assert tried[str(tidal.selection_layers)] == min(tried.values())
+    assert str(delta.delta_layers) in measured["agreement_kl"]["delta"]
     assert found["source"]["decode_steps"] == 2
