@@ -21,8 +21,6 @@ import argparse
 import time
 
 import torch
-from sglang_ext.policies import build_policy
-from sglang_ext.policies.calibration import model_fingerprint
 from transformers import AutoTokenizer
 
 from benchmarks import harness
@@ -30,22 +28,20 @@ from benchmarks.harness import Row, RunInfo
 from sglang_ext import agreement as ag
 from sglang_ext import attention_trace as at
 from sglang_ext.calibrate import model_slug
+from sglang_ext.policies import build_policy, policy_class
+from sglang_ext.policies.calibration import model_fingerprint
 
 BENCH = "agreement"
-PAGE_SIZE = 16
 
 
 def readers(args, num_layers: int, fingerprint: dict) -> dict[str, object]:
-    """label -> what each layer reads: full, the window, each policy at each budget (B tokens:
-    DELTA B/16 pages with B/128 recent, as benchmarks.quality maps it; Tidal B tokens)."""
+    """label -> what each layer reads: full, the window, each policy at each budget of B tokens
+    (``for_token_budget``: DELTA B/16 pages, B/128 of them recent; Tidal B tokens)."""
     ctx = at.cpu_context(num_layers, fingerprint)
     out = {"full": ag.FullReads(), f"window-{args.window}": ag.WindowReads(args.window)}
     for budget in args.budgets:
-        configs = {
-            "delta": {"budget_pages": budget // PAGE_SIZE, "recent_pages": max(1, budget // 128)},
-            "tidal": {"budget_tokens": budget},
-        }
-        for name, config in configs.items():
+        for name in ("delta", "tidal"):
+            config = policy_class(name).for_token_budget(budget)
             policy = build_policy(name, config).for_model(ctx)
             out[f"{name}-{budget}"] = ag.SelectionReads(policy, num_layers)
     return out

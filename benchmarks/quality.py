@@ -34,6 +34,7 @@ import requests
 
 from benchmarks import harness, lookup_task, plot_quality
 from benchmarks.harness import EngineServer, Row, RunInfo
+from sglang_ext.policies import policy_class
 
 BENCH = "quality"
 SHAPE = "smollm2-135m-instruct"  # the embedded model, real weights
@@ -80,9 +81,10 @@ class PolicyRun:
     @property
     def config(self) -> dict | None:
         if self.base == "delta":
-            return {"budget_pages": self.budget // 16, "recent_pages": self.budget // 128}
+            return policy_class("delta").for_token_budget(self.budget)
         if self.base == "tidal":
-            return {"budget_tokens": self.budget, "correction_interval": self.correction}
+            tokens = policy_class("tidal").for_token_budget(self.budget)
+            return {**tokens, "correction_interval": self.correction}
         return None
 
 

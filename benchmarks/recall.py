@@ -31,11 +31,10 @@ from benchmarks.harness import RunInfo
 from benchmarks.plot_recall import plot_recall
 from sglang_ext import attention_trace as at
 from sglang_ext.calibrate import model_slug
-from sglang_ext.policies import build_policy
+from sglang_ext.policies import build_policy, policy_class
 from sglang_ext.policies.calibration import find_calibration, model_fingerprint
 
 BENCH = "recall"
-PAGE_SIZE = 16
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,12 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def policies_for(budget: int, ctx) -> dict[str, object]:
     """Both policies at a budget of ``budget`` tokens, layer lists resolved as the engine does."""
-    pages = budget // PAGE_SIZE
-    policies = {
-        "delta": build_policy("delta", {"budget_pages": pages, "recent_pages": pages // 8}),
-        "tidal": build_policy("tidal", {"budget_tokens": budget, "recent_tokens": 1}),
+    return {
+        name: build_policy(name, policy_class(name).for_token_budget(budget)).for_model(ctx)
+        for name in ("delta", "tidal")
     }
-    return {name: policy.for_model(ctx) for name, policy in policies.items()}
 
 
 def layer_recalls(trace: at.DecodeTrace, policies: dict) -> dict:

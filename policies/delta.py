@@ -40,6 +40,12 @@ class DeltaPolicy(SelectionPolicy):
     def paper_layers(self, num_layers: int) -> tuple[list[int], list[int]]:
         return [0, 1], [2, *scaled_layers(PAPER_DELTA_LAYERS[1:], PAPER_DEPTH, num_layers)]
 
+    @classmethod
+    def for_token_budget(cls, tokens: int) -> dict[str, int]:
+        # the paper's ratio: 64 pages, 8 of them recent
+        pages = max(1, tokens // PAGE_SIZE)
+        return {"budget_pages": pages, "recent_pages": max(1, pages // 8)}
+
     def selection(self, ctx: DecodeContext) -> Selection:
         attend_and_score = _selection_attention(ctx)
         choose_pages = unit_chooser(

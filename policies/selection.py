@@ -61,6 +61,12 @@ class SelectionPolicy(KVPolicy):
     def selection(self, ctx: DecodeContext) -> Selection:
         raise NotImplementedError
 
+    @classmethod
+    def for_token_budget(cls, tokens: int) -> dict[str, int]:
+        """Its parameters for a budget of about ``tokens`` tokens (benchmarks and calibration
+        compare the policies at equal budgets)."""
+        raise NotImplementedError
+
     def selecting_layers(self) -> list[int] | None:
         return getattr(self, self.selection_field)
 

@@ -34,6 +34,10 @@ class TidalPolicy(SelectionPolicy):
     recent_tokens: int = 1
     correction_interval: int = 0  # T of the paper's cache correction (Sec. 3.2); 0: off
 
+    @classmethod
+    def for_token_budget(cls, tokens: int) -> dict[str, int]:
+        return {"budget_tokens": tokens}
+
     def validate(self) -> None:
         super().validate()
         if self.correction_interval < 0:

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from sglang_ext import agreement as ag
 from sglang_ext import attention_trace as at
-from sglang_ext.policies import build_policy
+from sglang_ext.policies import build_policy, policy_class
 from sglang_ext.policies.calibration import FORMAT, calibration_dir, model_fingerprint
 
 FULL_LAYERS = [0, 1]
@@ -134,23 +134,20 @@ def agreement_passages(model_path: Path, tokenizer, args) -> tuple[object, list[
 
 def choose_layers(model, passages: list[ag.Passage], args) -> tuple[dict, dict]:
     """Both policies' layer lists by agreement, and every candidate's mean KL."""
-    budget = args.agreement_budget_tokens
-    make = {
-        "delta": lambda layers: build_policy("delta", {
-            "full_layers": FULL_LAYERS, "delta_layers": layers,
-            "budget_pages": max(1, budget // 16), "recent_pages": max(1, budget // 128),
-        }),
-        "tidal": lambda layers: build_policy("tidal", {
-            "full_layers": FULL_LAYERS, "selection_layers": layers, "budget_tokens": budget,
-        }),
-    }  # fmt: skip
     counts = {"delta": args.num_delta_layers, "tidal": 2}
-    field = {"delta": "delta_layers", "tidal": "selection_layers"}
     chosen, tried = {}, {}
-    for name in make:
+    for name, count in counts.items():
+        cls = policy_class(name)
+        budget = cls.for_token_budget(args.agreement_budget_tokens)
+
+        def make(layers, name=name, cls=cls, budget=budget):
+            return build_policy(
+                name, {**budget, "full_layers": FULL_LAYERS, cls.selection_field: layers}
+            )
+
         first = [FIRST_SELECTION_LAYER]
-        layers, tried[name] = ag.greedy_layers(model, passages, make[name], first, counts[name])
-        chosen[name] = {"full_layers": FULL_LAYERS, field[name]: layers}
+        layers, tried[name] = ag.greedy_layers(model, passages, make, first, count)
+        chosen[name] = {"full_layers": FULL_LAYERS, cls.selection_field: layers}
     return chosen, tried
 
 

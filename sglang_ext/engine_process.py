@@ -138,8 +138,9 @@ class EngineServer:
         return self.log_path.read_text(errors="replace")
 
     def stop(self, graceful: bool = True) -> None:
-        """SIGTERM to the server, which drains and shuts its own children down, then the group is
-        killed; ``graceful=False`` kills the group at once (SGLang's drain and shutdown take 5-30 s)."""
+        """SIGTERM to the server, which drains and shuts its own children down, then the group
+        is killed; ``graceful=False`` kills the group at once (SGLang's drain and shutdown take
+        5-30 s)."""
         if self.proc is None:
             return
         if graceful and self.proc.poll() is None:

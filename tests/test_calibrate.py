@@ -6,13 +6,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from sglang_ext.policies import build_policy
-from sglang_ext.policies.calibration import find_calibration, model_fingerprint
-from sglang_ext.policies.selection import LayerRole
 
 from sglang_ext import agreement as ag
 from sglang_ext import attention_trace as at
 from sglang_ext import calibrate
+from sglang_ext.policies import build_policy
+from sglang_ext.policies.calibration import find_calibration, model_fingerprint
+from sglang_ext.policies.selection import LayerRole
 
 LAYERS, PROMPT_LEN, STEPS = 6, 200, 3
 

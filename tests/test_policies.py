@@ -7,6 +7,7 @@ from sglang_ext.policies import (
     KVPolicy,
     PolicyConfigError,
     build_policy,
+    policy_class,
     policy_names,
     registry,
 )
@@ -107,3 +108,11 @@ def test_optional_layer_lists_appear_in_the_schema():
         "type": "list[int] | None",
         "default": None,
     }
+
+
+def test_selection_policies_take_a_token_budget_in_their_own_units():
+    assert policy_class("delta").for_token_budget(1024) == {"budget_pages": 64, "recent_pages": 8}
+    assert policy_class("delta").for_token_budget(100) == {"budget_pages": 6, "recent_pages": 1}
+    assert policy_class("tidal").for_token_budget(256) == {"budget_tokens": 256}
+    for name in ("delta", "tidal"):  # the smallest budget still builds a valid policy
+        build_policy(name, policy_class(name).for_token_budget(16))
