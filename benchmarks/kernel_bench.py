@@ -135,6 +135,8 @@ def policy_decoders(name: str, inputs: Inputs, budget_tokens: int, num_layers: i
     batch = SimpleNamespace(
         req_pool_indices=inputs.rows, seq_lens=inputs.seq_lens, seq_lens_cpu=None
     )
+    for setup in ctx.decode_step_setups:  # once: the batch stays the same
+        setup(batch)
     select_fn = fns[roles.index(LayerRole.SELECT)]
     sparse_fn = fns[roles.index(LayerRole.SPARSE)]
     q = inputs.q.flatten(1)

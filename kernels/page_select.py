@@ -88,22 +88,34 @@ def flashinfer_top_ranked(scores: torch.Tensor, eligible: torch.Tensor, k: int) 
 
 
 def unit_chooser(
-    device: torch.device | str, budget: int, num_recent: int, page_size: int, by_importance: bool
+    device: torch.device | str,
+    budget: int,
+    num_recent: int,
+    page_size: int,
+    by_importance: bool,
+    row_start: torch.Tensor | None = None,
+    width: int | None = None,
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """``choose(scores, seq_lens, row_budget=None, out=None) -> (selected, num_selected)``, the
     selection rule of ``select_pages`` by the fastest way on ``device``: the fused kernels on
     CUDA for rows they take (``fused_fits``), else ``select_pages`` with the fastest top-k (and
     under ART, whose importance order the kernels do not make); measured: kernel_bench's
     ``rank_*_ms`` rows. The choice depends on the row's width only, so a CUDA graph keeps it.
-    ``out`` receives the result in place."""
+    ``out`` receives the result in place. With ``row_start`` the scores are ragged (as
+    ``select_units_fused`` takes them, rows of at most ``width`` units); the top-k path ranks
+    dense copies of them."""
     fused = torch.device(device).type == "cuda" and not by_importance
     top_ranked = fastest_top_ranked(device)
 
     def choose(scores, seq_lens, row_budget=None, out=None):
-        if fused and fused_fits(scores.shape[1], budget, num_recent):
+        row_width = scores.shape[1] if row_start is None else width
+        if fused and fused_fits(row_width, budget, num_recent):
             return select_units_fused(
-                scores, seq_lens, budget, num_recent, page_size, row_budget, out
-            )
+                scores, seq_lens, budget, num_recent, page_size, row_budget, out,
+                row_start=row_start, width=width,
+            )  # fmt: skip
+        if row_start is not None:
+            scores = dense_rows(scores, row_start, seq_lens, width, page_size)
         chosen = select_pages(
             scores, seq_lens, budget, num_recent, page_size, by_importance, row_budget, top_ranked
         )
@@ -114,6 +126,18 @@ def unit_chooser(
         return out
 
     return choose
+
+
+def dense_rows(
+    scores: torch.Tensor, row_start: torch.Tensor, seq_lens: torch.Tensor, width: int, page: int
+) -> torch.Tensor:
+    """[batch, width] rows of ragged ``scores`` (request b's units of ``page`` tokens from
+    row_start[b] / page on), -inf past each request's units: for the rankers that take dense
+    rows only (allocated per call: ART's importance order, budgets the fused kernels refuse)."""
+    units = torch.arange(width, device=scores.device)
+    own = units < (seq_lens.long()[:, None] + page - 1) // page
+    index = torch.where(own, row_start[: seq_lens.shape[0], None] // page + units, 0)
+    return torch.where(own, scores[index], float("-inf"))
 
 
 def fastest_top_ranked(device: torch.device | str) -> TopRanked:
@@ -182,6 +206,15 @@ def _ordered_key(scores):
 
 
 @triton.jit
+def _row_offset(RowStart, row, stride_scores, PAGE, RAGGED):
+    """Where a row's scores start: ragged (ScoreRows), its first token's column over the unit
+    size; dense, its stride."""
+    if RAGGED:
+        return tl.load(RowStart + row) // PAGE
+    return row * stride_scores
+
+
+@triton.jit
 def _row_counts(SeqLens, RowBudget, row, budget, num_recent, PAGE, HAS_ROW_BUDGET):
     """(units, candidates: the units before the recent ones, how many candidates to keep)."""
     num_units = (tl.load(SeqLens + row).to(tl.int32) + PAGE - 1) // PAGE
@@ -229,6 +262,7 @@ def _finish_row(
 @triton.jit
 def _select_kernel(
     Scores,
+    RowStart,
     SeqLens,
     RowBudget,
     Selected,
@@ -239,6 +273,7 @@ def _select_kernel(
     num_recent,
     PAGE: tl.constexpr,
     HAS_ROW_BUDGET: tl.constexpr,
+    RAGGED: tl.constexpr,
     BLOCK: tl.constexpr,
     BUDGET_BLOCK: tl.constexpr,
 ):
@@ -249,7 +284,8 @@ def _select_kernel(
     selected = Selected + row * stride_selected
     offs = tl.arange(0, BLOCK)
     is_candidate = offs < num_candidates
-    keys = _ordered_key(tl.load(Scores + row * stride_scores + offs, mask=is_candidate, other=0.0))
+    scores = Scores + _row_offset(RowStart, row, stride_scores, PAGE, RAGGED) + offs
+    keys = _ordered_key(tl.load(scores, mask=is_candidate, other=0.0))
     keep, place = _keep_best(keys, is_candidate, num_top)
     tl.store(selected + place, offs, mask=keep)
     _finish_row(
@@ -260,6 +296,7 @@ def _select_kernel(
 @triton.jit
 def _chunk_best_kernel(
     Scores,
+    RowStart,
     SeqLens,
     RowBudget,
     Best,
@@ -271,6 +308,7 @@ def _chunk_best_kernel(
     num_recent,
     PAGE: tl.constexpr,
     HAS_ROW_BUDGET: tl.constexpr,
+    RAGGED: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     """Chunk c of a row keeps its best candidates in list c: slots [c * (budget - num_recent),
@@ -285,7 +323,7 @@ def _chunk_best_kernel(
     if chunk * CHUNK < num_candidates:
         offs = chunk * CHUNK + tl.arange(0, CHUNK)
         is_candidate = offs < num_candidates
-        scores = Scores + row * stride_scores + offs
+        scores = Scores + _row_offset(RowStart, row, stride_scores, PAGE, RAGGED) + offs
         keys = _ordered_key(tl.load(scores, mask=is_candidate, other=0.0))
         keep, place = _keep_best(keys, is_candidate, num_top)
         slots = row * stride_best + chunk * (budget - num_recent) + place
@@ -370,14 +408,22 @@ def select_units_fused(
     page_size: int,
     row_budget: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    row_start: torch.Tensor | None = None,
+    width: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``select_pages`` (ascending order, not ``by_importance``) by the fused kernels: one pass
     for rows of at most FUSED_MAX_UNITS units, else each chunk's best merged in a tree (rows
     ``fused_fits`` takes); the oracle is ``select_pages``. ``scores`` [batch, width] fp32 must
     cover every unit of each request; ``out`` (selected [batch, budget] int32, num_selected
-    [batch] int32) receives the result in place."""
+    [batch] int32) receives the result in place. Ragged scores (``ScoreRows``): ``scores`` is
+    one row, request b's units from row_start[b] / page_size on (``row_start`` [batch] int64,
+    in tokens), and ``width`` is the most units a request has."""
     assert 0 <= num_recent <= budget, "the recency window must fit in the budget"
-    batch, width = scores.shape
+    ragged = row_start is not None
+    batch, width = (seq_lens.shape[0], width) if ragged else scores.shape
+    scores_stride = 0 if ragged else scores.stride(0)
+    starts = row_start if ragged else seq_lens  # an unread placeholder when dense
     if not fused_fits(width, budget, num_recent):
         raise ValueError(
             f"select_units_fused: rows of {width} units with {budget - num_recent} to choose: "
@@ -396,8 +442,8 @@ def select_units_fused(
     if width <= FUSED_MAX_UNITS or per_list == 0:  # (nothing to choose: only the recent units)
         block = triton.next_power_of_2(width) if per_list else 16
         _select_kernel[(batch,)](
-            scores, seq_lens, rows, selected, num_selected, scores.stride(0), selected.stride(0),
-            budget, num_recent, BLOCK=block, **shared, **finish,
+            scores, starts, seq_lens, rows, selected, num_selected, scores_stride,
+            selected.stride(0), budget, num_recent, RAGGED=ragged, BLOCK=block, **shared, **finish,
         )  # fmt: skip
         return selected, num_selected
     # Candidate lists, allocated here (inside a CUDA graph: the graph's own pool); the chunks'
@@ -405,8 +451,8 @@ def select_units_fused(
     lists = triton.cdiv(width, FUSED_MAX_UNITS)
     best, best_scores, num_best = _candidate_lists(batch, lists, per_list, scores)
     _chunk_best_kernel[(batch, lists)](
-        scores, seq_lens, rows, best, best_scores, num_best, scores.stride(0), best.stride(0),
-        budget, num_recent, CHUNK=FUSED_MAX_UNITS, **shared,
+        scores, starts, seq_lens, rows, best, best_scores, num_best, scores_stride,
+        best.stride(0), budget, num_recent, RAGGED=ragged, CHUNK=FUSED_MAX_UNITS, **shared,
     )  # fmt: skip
     per_group = FUSED_MAX_UNITS // per_list
     while lists > per_group:

@@ -38,6 +38,7 @@ def _scores_kernel(
     Logits,
     Lse,
     SeqLens,
+    RowStart,
     TokenScores,
     PageScores,
     stride_lg_b,
@@ -52,19 +53,28 @@ def _scores_kernel(
     PAGE: tl.constexpr,
     USE_PROBS: tl.constexpr,
     WRITE_PAGES: tl.constexpr,
+    RAGGED: tl.constexpr,
 ):
     batch = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     seq_len = tl.load(SeqLens + batch)
     # the row's blocks past the request's last are left as they are: nothing reads them
     if block * BLOCK_T < seq_len:
+        if RAGGED:  # the row is its own pages at RowStart[batch] of one long row (max_seq_len)
+            start = tl.load(RowStart + batch)
+            logits_row, token_row, page_row = start, start, start // PAGE
+            page_end = tl.minimum(tl.cdiv(seq_len, PAGE), max_pages - page_row)
+            token_end = page_end * PAGE
+        else:
+            logits_row, token_row = batch * stride_lg_b, batch * stride_ts_b
+            page_row, token_end, page_end = batch * stride_ps_b, max_seq_len, max_pages
         offs_t = block * BLOCK_T + tl.arange(0, BLOCK_T)
         valid_t = offs_t < seq_len
         offs_h = tl.arange(0, BLOCK_HQ)
         mask_h = offs_h < NUM_Q_HEADS
 
         logits = tl.load(
-            Logits + batch * stride_lg_b + offs_h[:, None] * stride_lg_h + offs_t[None, :],
+            Logits + logits_row + offs_h[:, None] * stride_lg_h + offs_t[None, :],
             mask=mask_h[:, None] & valid_t[None, :],
             other=float("-inf"),
         )
@@ -72,13 +82,13 @@ def _scores_kernel(
             lse = tl.load(Lse + batch * NUM_Q_HEADS + offs_h, mask=mask_h, other=0.0)
             logits = tl.exp(logits - lse[:, None])
         token = tl.where(valid_t, tl.max(logits, 0), float("-inf"))
-        tl.store(TokenScores + batch * stride_ts_b + offs_t, token, mask=offs_t < max_seq_len)
+        tl.store(TokenScores + token_row + offs_t, token, mask=offs_t < token_end)
 
         if WRITE_PAGES:
             page = tl.sum(tl.reshape(tl.where(valid_t, token, 0.0), [BLOCK_T // PAGE, PAGE]), 1)
             offs_p = block * (BLOCK_T // PAGE) + tl.arange(0, BLOCK_T // PAGE)
             page = tl.where(offs_p * PAGE < seq_len, page, float("-inf"))
-            tl.store(PageScores + batch * stride_ps_b + offs_p, page, mask=offs_p < max_pages)
+            tl.store(PageScores + page_row + offs_p, page, mask=offs_p < page_end)
 
 
 def score_tokens(
@@ -89,6 +99,8 @@ def score_tokens(
     page_scores: torch.Tensor | None = None,
     *,
     use_probs: bool = True,
+    row_start: torch.Tensor | None = None,
+    max_seq_len: int | None = None,
     block_t: int = SCORES_BLOCK_T,
     num_warps: int = SCORES_WARPS,
 ) -> None:
@@ -96,15 +108,30 @@ def score_tokens(
     logits [batch, q_heads, T] and stage 2's lse [batch, q_heads]: the max over heads of the
     probability (``use_probs``) or of the logit; -inf past each request's end up to the end of
     its last ``block_t``-token block, entries past that block left untouched (the work follows
-    each request's length, not the row's: the selection reads no further)."""
-    batch, num_q_heads, max_seq_len = logits.shape
+    each request's length, not the row's: the selection reads no further).
+
+    Ragged (``row_start`` [batch] int64, multiples of 16, as ``ScoreRows`` lays them out): logits
+    is [q_heads, capacity], token_scores [capacity] and page_scores [capacity / 16]; request b's
+    tokens start at column row_start[b], its pages at row_start[b] / 16, and only its own pages
+    are written (-inf past its end within its last page); ``max_seq_len`` is the longest request
+    (the grid)."""
+    ragged = row_start is not None
+    if ragged:
+        num_q_heads, batch = logits.shape[0], seq_lens.shape[0]
+        lg_strides, ts_stride, ps_stride = (0, logits.stride(0)), 0, 0
+        token_limit = token_scores.shape[0]
+    else:
+        batch, num_q_heads, max_seq_len = logits.shape
+        lg_strides, ts_stride = logits.stride()[:2], token_scores.stride(0)
+        ps_stride = 0 if page_scores is None else page_scores.stride(0)
+        token_limit = max_seq_len
     pages = token_scores if page_scores is None else page_scores  # an unwritten placeholder
+    page_limit = triton.cdiv(token_limit, PAGE_SIZE) if page_scores is None else pages.shape[-1]
     _scores_kernel[(batch, triton.cdiv(max_seq_len, block_t))](
-        logits, lse, seq_lens, token_scores, pages,
-        logits.stride(0), logits.stride(1), token_scores.stride(0), pages.stride(0),
-        max_seq_len, pages.shape[1],
+        logits, lse, seq_lens, row_start if ragged else seq_lens, token_scores, pages,
+        *lg_strides, ts_stride, ps_stride, token_limit, page_limit,
         NUM_Q_HEADS=num_q_heads, BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_T=block_t,
-        PAGE=PAGE_SIZE, USE_PROBS=use_probs, WRITE_PAGES=page_scores is not None,
+        PAGE=PAGE_SIZE, USE_PROBS=use_probs, WRITE_PAGES=page_scores is not None, RAGGED=ragged,
         num_warps=num_warps,
     )  # fmt: skip
 
@@ -123,6 +150,84 @@ def _attend_and_score(cache, max_seq_len, splitting, out, use_probs):
     page_scores = torch.empty(batch, num_pages, **f32) if use_probs else None
     score_tokens(logits, lse, seq_lens, token_scores, page_scores, use_probs=use_probs)
     return out, token_scores, page_scores
+
+
+class ScoreRows:
+    """A selection layer's logits and scores for a decode batch, owned up front and laid out
+    ragged: request b's row starts at token column ``row_start[b]`` of one long row (per query
+    head for the logits), its length rounded up to a page, the rows in batch order. So the
+    buffers follow the batch's own tokens, not batch x --context-length, and every selection
+    layer of a step reuses them.
+
+    ``capacity`` tokens hold a batch of up to ``fits_tokens`` tokens in all (the KV pool's: a
+    batch without shared prefixes), every row's rounding to a page and a padded CUDA graph batch
+    included. A step whose requests count more (a shared prefix counts once per request) must run
+    eagerly: ``reserve`` says so on the host and grows a second set of buffers for it, which no
+    CUDA graph has recorded."""
+
+    def __init__(self, fits_tokens: int, max_batch: int, num_q_heads: int, device, pages: bool):
+        self.fits_tokens, self.max_batch = fits_tokens, max_batch
+        self.num_q_heads, self.device, self.with_pages = num_q_heads, torch.device(device), pages
+        self.row_start = torch.zeros(max_batch, dtype=torch.int64, device=self.device)
+        self._graphed = self._buffers(self._capacity(fits_tokens))
+        self._grown = None
+        self.logits, self.tokens, self.pages = self._graphed
+
+    def _capacity(self, tokens: int) -> int:
+        return tokens + PAGE_SIZE * self.max_batch  # each row, padding ones too, up to a page
+
+    def _buffers(self, capacity: int):
+        f32 = {"dtype": torch.float32, "device": self.device}
+        pages = torch.empty(capacity // PAGE_SIZE, **f32) if self.with_pages else None
+        return torch.empty(self.num_q_heads, capacity, **f32), torch.empty(capacity, **f32), pages
+
+    def reserve(self, total_tokens: int) -> bool:
+        """Before a decode step, on the host: make room for a batch of ``total_tokens`` tokens
+        (the sum of its seq_lens); False when that needs the eager buffers (no CUDA graph)."""
+        if total_tokens <= self.fits_tokens:
+            self.logits, self.tokens, self.pages = self._graphed
+            return True
+        if self._grown is None or self._grown[1].shape[0] < self._capacity(total_tokens):
+            self._grown = None  # freed before the larger one is made
+            self._grown = self._buffers(self._capacity(max(total_tokens, 2 * self.fits_tokens)))
+        self.logits, self.tokens, self.pages = self._grown
+        return False
+
+    def place(self, seq_lens: torch.Tensor) -> None:
+        """On the device, once per decode step (CUDA graphs record it): each row's start."""
+        rounded = (seq_lens.long() + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE
+        starts = self.row_start[: seq_lens.shape[0]]
+        torch.cumsum(rounded, 0, out=starts)
+        starts.sub_(rounded)
+
+
+def ragged_selection_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    *,
+    rows: ScoreRows,
+    use_probs: bool,
+    workspace: SplitKVWorkspace | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A selection layer's full attention with its scores in ``rows``' ragged buffers (placed for
+    this batch): (out, token_scores [capacity], page_scores [capacity / 16] or None), DELTA's
+    (``use_probs``: probabilities, and pages) or TidalDecode's (logits, no pages)."""
+    out, lse = split_kv_decode(
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale,
+        logits=rows.logits, logits_row_start=rows.row_start, workspace=workspace, out=out,
+    )  # fmt: skip
+    pages = rows.pages if use_probs else None
+    score_tokens(
+        rows.logits, lse, seq_lens, rows.tokens, pages, use_probs=use_probs,
+        row_start=rows.row_start[: q.shape[0]], max_seq_len=req_to_token.shape[1],
+    )  # fmt: skip
+    return out, rows.tokens, pages
 
 
 def delta_selection_attention(

@@ -58,6 +58,7 @@ def _stage1(
     MidO,
     MidLse,
     Logits,
+    LogitsRowStart,
     sm_scale,
     stride_qb,
     stride_qh,
@@ -84,6 +85,7 @@ def _stage1(
     SELECTED_SPAN: tl.constexpr,
     INDIRECT_ROWS: tl.constexpr,
     STORE_LOGITS: tl.constexpr,
+    RAGGED_LOGITS: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
 ):
     batch = tl.program_id(0).to(tl.int64)
@@ -109,6 +111,14 @@ def _stage1(
         length = seq_len
     per_split = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
     start = per_split * split
+    if STORE_LOGITS:
+        # a ragged row starts at its offset in one long row per head; a dense one at its stride
+        if RAGGED_LOGITS:
+            logits_row = tl.load(LogitsRowStart + batch)
+            logits_end = logits_len - logits_row
+        else:
+            logits_row = batch * stride_lg_b
+            logits_end = logits_len
     end = tl.minimum(start + per_split, length)
 
     q = tl.load(
@@ -143,9 +153,9 @@ def _stage1(
         qk = tl.where(mask_h[:, None] & valid[None, :], qk, float("-inf"))
         if STORE_LOGITS:
             tl.store(
-                Logits + batch * stride_lg_b + heads[:, None] * stride_lg_h + pos[None, :],
+                Logits + logits_row + heads[:, None] * stride_lg_h + pos[None, :],
                 qk,
-                mask=mask_h[:, None] & valid[None, :] & (pos[None, :] < logits_len),
+                mask=mask_h[:, None] & valid[None, :] & (pos[None, :] < logits_end),
             )
 
         v = tl.load(
@@ -289,6 +299,7 @@ def split_kv_decode(
     selected_span: int = 1,
     selected_rows: torch.Tensor | None = None,
     logits: torch.Tensor | None = None,
+    logits_row_start: torch.Tensor | None = None,
     num_kv_splits: int | None = None,
     workspace: SplitKVWorkspace | None = None,
     out: torch.Tensor | None = None,
@@ -301,7 +312,9 @@ def split_kv_decode(
     logical positions selected[r, j] * selected_span + s (j < num_selected[b], s < selected_span,
     position < seq_len), where r = selected_rows[b] (int64 [batch]) or, without it, b. With `logits`
     ([batch, q_heads, logits_len] fp32), the scaled q·k of every attended position below logits_len
-    is stored there; other entries are left untouched. `num_kv_splits` defaults to
+    is stored there; other entries are left untouched. With `logits_row_start` ([batch] int64) the
+    rows are ragged: `logits` is [q_heads, capacity] and request b's position p is at column
+    logits_row_start[b] + p (stored below capacity). `num_kv_splits` defaults to
     num_kv_splits_for's choice (the workspace's, with one); a `workspace` supplies the scratch.
     `launch` defaults to STAGE1_SELECTED with a selection, else STAGE1_WHOLE.
     """
@@ -326,21 +339,23 @@ def split_kv_decode(
     selected_arg = selected if sparse else seq_lens  # unread placeholders keep the signature fixed
     rows_arg = selected_rows if selected_rows is not None else seq_lens
     logits_arg = logits if logits is not None else mid_lse
+    ragged = logits_row_start is not None
+    lg_stride_b, lg_stride_h = (0, logits_arg.stride(0)) if ragged else logits_arg.stride()[:2]
 
     block_d = triton.next_power_of_2(head_dim)
     _stage1[(batch, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
         selected_arg, rows_arg, num_selected if sparse else seq_lens, mid_out, mid_lse, logits_arg,
-        sm_scale,
+        logits_row_start if ragged else seq_lens, sm_scale,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0), selected_arg.stride(0),
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
-        logits_arg.stride(0), logits_arg.stride(1), logits_arg.shape[-1], num_kv_splits,
+        lg_stride_b, lg_stride_h, logits_arg.shape[-1], num_kv_splits,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=launch.block_n,
         SELECTED_SPAN=selected_span if sparse else 0, INDIRECT_ROWS=selected_rows is not None,
-        STORE_LOGITS=logits is not None, DOT_IN_FP32=_DOT_IN_FP32,
+        STORE_LOGITS=logits is not None, RAGGED_LOGITS=ragged, DOT_IN_FP32=_DOT_IN_FP32,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     merge_splits(mid_out, mid_lse, out, lse)

@@ -52,9 +52,19 @@ class DecodeContext:
     # Run once per decode step before its layers (PolicyRuntime.prepare_decode), each
     # f(forward_batch): decode functions add theirs when built. Recorded into CUDA graphs.
     decode_step_setups: list = dataclasses.field(default_factory=list)
+    # Run on the host before each decode step (PolicyRuntime.run_plan), each f(total_tokens):
+    # make room for a batch holding that many tokens in all; False when the step must then run
+    # eagerly (what CUDA graphs recorded is too small for it)
+    step_reservations: list = dataclasses.field(default_factory=list)
     # This rank's query heads and the head size: decode scratch is sized from them at start-up
     num_q_heads: int | None = None
     head_dim: int | None = None
+    kv_pool_tokens: int | None = None  # the KV pool's token slots (None: unknown)
+
+    def batch_tokens_bound(self) -> int:
+        """The most tokens a decode batch holds in all without shared prefixes: the KV pool's,
+        or every request slot at full context where the pool's size is unknown."""
+        return self.kv_pool_tokens or self.max_batch_size * self.req_to_token.shape[1]
 
     def split_workspace(self, max_tokens: int, num_splits: int | None = None):
         """Scratch of the split-KV kernel (kernels.split_kv_decode) for requests attending to up

@@ -10,13 +10,18 @@ the top ``budget_pages - recent_pages`` others by score; every other layer after
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 from sglang_ext.kernels.page_select import unit_chooser
 from sglang_ext.policies.base import DecodeContext
 from sglang_ext.policies.registry import register_policy
-from sglang_ext.policies.selection import LayerRole, Selection, SelectionPolicy, scaled_layers
+from sglang_ext.policies.selection import (
+    LayerRole,
+    Selection,
+    SelectionPolicy,
+    ragged_scoring,
+    scaled_layers,
+)
 
 __all__ = ["PAGE_SIZE", "DeltaPolicy", "LayerRole"]
 
@@ -47,13 +52,17 @@ class DeltaPolicy(SelectionPolicy):
         return {"budget_pages": pages, "recent_pages": max(1, pages // 8)}
 
     def selection(self, ctx: DecodeContext) -> Selection:
-        attend_and_score = _selection_attention(ctx)
+        if torch.device(ctx.device).type == "cuda":
+            attend_and_score, ragged = ragged_scoring(ctx, use_probs=True, page_size=PAGE_SIZE)
+        else:  # the torch reference (the Triton interpreter is far too slow to serve with)
+            attend_and_score, ragged = _reference_attention, {}
         choose_pages = unit_chooser(
-            ctx.device, self.budget_pages, self.recent_pages, PAGE_SIZE, ctx.art is not None
-        )
+            ctx.device, self.budget_pages, self.recent_pages, PAGE_SIZE, ctx.art is not None,
+            **ragged,
+        )  # fmt: skip
 
         def choose(token_scores, page_scores, seq_lens, row_budget=None, out=None):
-            if page_scores is None:
+            if page_scores is None:  # (combined across ranks: the pages are summed again)
                 page_scores = page_sums(token_scores)
             return choose_pages(page_scores, seq_lens, row_budget, out)
 
@@ -63,22 +72,15 @@ class DeltaPolicy(SelectionPolicy):
 
 
 def page_sums(token_scores: torch.Tensor) -> torch.Tensor:
+    """Page scores of dense rows [batch, T], or of ragged ones [capacity] (rows start on pages)."""
     from sglang_ext.kernels.selection_attention import page_scores_ref
 
-    return page_scores_ref(token_scores, PAGE_SIZE)
+    rows = token_scores.view(-1, token_scores.shape[-1])
+    return page_scores_ref(rows, PAGE_SIZE).view(*token_scores.shape[:-1], -1)
 
 
-def _selection_attention(ctx: DecodeContext):
-    """Triton on CUDA, the torch reference elsewhere (the Triton interpreter is far too slow to
-    serve with)."""
+def _reference_attention(*cache, sm_scale):
     from sglang_ext.kernels import selection_attention as sa
 
-    if torch.device(ctx.device).type == "cuda":
-        workspace = ctx.split_workspace(ctx.req_to_token.shape[1])
-        return functools.partial(sa.delta_selection_attention, workspace=workspace)
-
-    def reference(*cache, sm_scale):
-        out, token_scores = sa.selection_attention_ref(*cache, sm_scale=sm_scale)
-        return out, token_scores, page_sums(token_scores)
-
-    return reference
+    out, token_scores = sa.selection_attention_ref(*cache, sm_scale=sm_scale)
+    return out, token_scores, page_sums(token_scores)

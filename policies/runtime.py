@@ -7,7 +7,8 @@ The adapter (``sglang_ext.engine``) calls, in this order:
 - ``admission_tokens``: the KV a request is counted at by the scheduler;
 - ``plan_step`` once per batch, on the host, from data the scheduler already has (no device sync);
 - ``run_plan`` before the batch's forward (a prefill's rows, eviction rounds, cache correction:
-  may sync);
+  may sync; decode buffers sized for the batch, and ``graphable`` whether a CUDA graph may run
+  it);
 - ``prepare_decode`` once per decode batch on the device, where CUDA graphs record it;
 - the per-layer ``decode_fns`` and, for a prefill, ``after_extend`` of each layer;
 - ``report`` of each request after the step (metrics and the per-request report);
@@ -90,6 +91,7 @@ class StepPlan:
     rounds: list[StepRequest] = dataclasses.field(default_factory=list)  # due for eviction
     correction: Any = None  # sglang_ext.cache_correction.CorrectionPlan
     request_values: torch.Tensor | None = None  # prefill: rows of ctx.request_values, on the host
+    batch_tokens: int = 0  # decode: the tokens its requests hold (a shared prefix per request)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +114,7 @@ class PolicyRuntime:
         self.stats = RuntimeStats()
         self.correction_interval = policy.cache_correction_interval()
         self.tile_counts = ctx.art_tile_counts if policy.reads_tiles() else None
+        self.graphable = True  # whether the current decode step may replay a CUDA graph
 
     # requests ---------------------------------------------------------------------------------
     def new_request(self, own: KVPolicy | None, previous: RequestState | None) -> RequestState:
@@ -133,10 +136,14 @@ class PolicyRuntime:
             from sglang_ext.cache_correction import plan_correction
 
             correction = plan_correction(requests, self.correction_interval)
-        return StepPlan(True, requests, correction=correction)
+        batch_tokens = sum(r.seq_len for r in requests)
+        return StepPlan(True, requests, correction=correction, batch_tokens=batch_tokens)
 
     def run_plan(self, plan: StepPlan, forward_batch, engine: EngineOps) -> None:
         """Before the batch's forward, outside any CUDA graph."""
+        if plan.decode:  # every reservation made, whichever says the graph cannot take the step
+            fits = [reserve(plan.batch_tokens) for reserve in self.ctx.step_reservations]
+            self.graphable = all(fits)
         if plan.request_values is not None:  # a prefill: its requests' own decode values
             table = self.ctx.request_values
             table[forward_batch.req_pool_indices] = plan.request_values.to(table.device)

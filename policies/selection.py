@@ -281,6 +281,26 @@ class SelectionDecoder:
         )  # fmt: skip
 
 
+def ragged_scoring(ctx: DecodeContext, use_probs: bool, page_size: int) -> tuple[Callable, dict]:
+    """A selection layer's attention on CUDA: the kernel with its scratch and its score rows owned
+    up front (``kernels.selection_attention.ScoreRows``: ragged, sized by the KV pool, shared by
+    the policy's selection layers and placed once per step), and the ``unit_chooser`` arguments
+    that read those rows (units of ``page_size`` tokens)."""
+    from sglang_ext.kernels import selection_attention as sa
+
+    rows = sa.ScoreRows(
+        ctx.batch_tokens_bound(), ctx.max_batch_size, ctx.num_q_heads, ctx.device, use_probs
+    )
+    ctx.decode_step_setups.append(lambda forward_batch: rows.place(forward_batch.seq_lens))
+    ctx.step_reservations.append(rows.reserve)
+    attend_and_score = functools.partial(
+        sa.ragged_selection_attention, rows=rows, use_probs=use_probs,
+        workspace=ctx.split_workspace(ctx.req_to_token.shape[1]),
+    )  # fmt: skip
+    width = -(-ctx.req_to_token.shape[1] // page_size)
+    return attend_and_score, {"row_start": rows.row_start, "width": width}
+
+
 def _selected_attention(ctx: DecodeContext, selection: Selection) -> Callable:
     """A sparse layer's attention: the kernel with its scratch owned up front on CUDA, the torch
     reference elsewhere."""

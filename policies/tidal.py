@@ -16,7 +16,12 @@ import torch
 from sglang_ext.kernels.page_select import unit_chooser
 from sglang_ext.policies.base import DecodeContext
 from sglang_ext.policies.registry import register_policy
-from sglang_ext.policies.selection import Selection, SelectionPolicy, scaled_layers
+from sglang_ext.policies.selection import (
+    Selection,
+    SelectionPolicy,
+    ragged_scoring,
+    scaled_layers,
+)
 
 PAPER_DEPTH, PAPER_RESELECTION_LAYER = 32, 13  # the paper's best for Llama-3-8B (Sec. 4.4)
 
@@ -53,9 +58,12 @@ class TidalPolicy(SelectionPolicy):
         return [0, 1], sorted({2, *reselect})
 
     def selection(self, ctx: DecodeContext) -> Selection:
-        attend_and_score = _selection_attention(ctx)
+        if torch.device(ctx.device).type == "cuda":
+            attend_and_score, ragged = ragged_scoring(ctx, use_probs=False, page_size=1)
+        else:  # the torch reference (the Triton interpreter is far too slow to serve with)
+            attend_and_score, ragged = _reference_attention, {}
         choose_tokens = unit_chooser(
-            ctx.device, self.budget_tokens, self.recent_tokens, 1, ctx.art is not None
+            ctx.device, self.budget_tokens, self.recent_tokens, 1, ctx.art is not None, **ragged
         )
 
         def choose(token_scores, page_scores, seq_lens, row_budget=None, out=None):
@@ -66,24 +74,12 @@ class TidalPolicy(SelectionPolicy):
         )
 
 
-def _selection_attention(ctx: DecodeContext):
+def _reference_attention(*cache, sm_scale):
     from sglang_ext.kernels import selection_attention as sa
 
-    if torch.device(ctx.device).type == "cuda":
-        workspace = ctx.split_workspace(ctx.req_to_token.shape[1])
-
-        def triton(*cache, sm_scale):
-            out, scores = sa.tidal_selection_attention(*cache, sm_scale=sm_scale, workspace=workspace)
-            return out, scores, None
-
-        return triton
-
-    def reference(*cache, sm_scale):
-        q, k_buffer, _, req_to_token, req_pool_indices, seq_lens = cache
-        out, _ = sa.selection_attention_ref(*cache, sm_scale=sm_scale)
-        scores = sa.tidal_token_scores_ref(
-            q, k_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale
-        )
-        return out, scores, None
-
-    return reference
+    q, k_buffer, _, req_to_token, req_pool_indices, seq_lens = cache
+    out, _ = sa.selection_attention_ref(*cache, sm_scale=sm_scale)
+    scores = sa.tidal_token_scores_ref(
+        q, k_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale
+    )
+    return out, scores, None

@@ -22,6 +22,7 @@ class Cache:
     def __init__(self, num_layers=4, seq_lens=(300, 40, 17), device="cpu"):
         gen = torch.Generator().manual_seed(0)
         self.num_layers, self.device = num_layers, torch.device(device)
+        self.contexts = []  # made by context(): their per-step setups run before each decode
         # fp16 on CUDA, as served; fp32 on CPU, where the torch references compute
         dtype = torch.float16 if self.device.type == "cuda" else torch.float32
         self.tol = {"rtol": 1e-2, "atol": 5e-3} if dtype == torch.float16 else {}
@@ -50,7 +51,7 @@ class Cache:
         self.new_v = randn(len(seq_lens), self.KV_HEADS, self.DIM)
 
     def context(self, base_decode=None, fingerprint=None, max_across_ranks=None):
-        return DecodeContext(
+        ctx = DecodeContext(
             num_layers=self.num_layers,
             base_decode=base_decode,
             write_kv=self.write_kv,
@@ -65,12 +66,15 @@ class Cache:
             model_fingerprint=fingerprint or {"architecture": "Tiny", "layers": self.num_layers},
             max_across_ranks=max_across_ranks,
         )
+        self.contexts.append(ctx)
+        return ctx
 
     def rank_view(self, rank: int, num_ranks: int) -> "Cache":
         """This cache as tensor-parallel rank ``rank`` sees it: its share of the KV heads and their
         query heads, the same slots and requests."""
         kv_per_rank, q_per_rank = self.KV_HEADS // num_ranks, self.Q_HEADS // num_ranks
         view = copy.copy(self)
+        view.contexts = []
         view.Q_HEADS, view.KV_HEADS = q_per_rank, kv_per_rank
         kv = slice(rank * kv_per_rank, (rank + 1) * kv_per_rank)
         view.keys = [k[:, kv].clone() for k in self.keys]
@@ -90,6 +94,10 @@ class Cache:
         )
 
     def decode(self, decode_fn, layer_id):
+        # the per-step setups the runtime runs before a step's layers (idempotent here)
+        for ctx in self.contexts:
+            for setup in ctx.decode_step_setups:
+                setup(self.batch)
         return decode_fn(self.q, self.new_k, self.new_v, self.layer(layer_id), self.batch, True)
 
     def full_attention(self, layer_id):

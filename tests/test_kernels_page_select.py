@@ -121,6 +121,40 @@ def assert_fused_matches_oracle(scores, lens, budget, num_recent, page_size, own
     select_units_fused(scores, lens, budget, num_recent, page_size, own, out=out)
     assert torch.equal(selected[1:], oracle[0]) and torch.equal(count[1:], oracle[1])
     assert (selected[0] == -7).all() and count[0] == -7
+    # the same rows laid out ragged (as ScoreRows holds them), NaN around each row
+    ragged, row_start = ragged_copy(scores, lens, page_size)
+    width = scores.shape[1]
+    chosen = select_units_fused(
+        ragged, lens, budget, num_recent, page_size, own, row_start=row_start, width=width
+    )
+    assert torch.equal(chosen[0], oracle[0]) and torch.equal(chosen[1], oracle[1])
+
+
+def ragged_copy(scores, lens, page_size):
+    """(one row holding each request's units from row_start[b] / page_size on, row_start in
+    tokens: page-aligned, a page apart), NaN elsewhere."""
+    units = [min(-(-n // page_size), scores.shape[1]) for n in lens.tolist()]
+    starts, end = [], 16
+    for n in units:
+        starts.append(end)
+        end += -(-n * page_size // 16) * 16 + 16
+    ragged = torch.full((end // page_size,), float("nan"), device=DEVICE)
+    for b, (start, n) in enumerate(zip(starts, units)):
+        ragged[start // page_size : start // page_size + n] = scores[b, :n]
+    return ragged, torch.tensor(starts, dtype=torch.int64, device=DEVICE)
+
+
+def test_ragged_rows_rank_as_dense_ones_on_the_top_k_path():
+    gen = torch.Generator().manual_seed(6)
+    lens = torch.tensor([1, 40, 300, 513], dtype=torch.int32, device=DEVICE)
+    scores = torch.randint(-3, 3, (len(lens), 600), generator=gen).float().to(DEVICE) * 0.75
+    for page_size, width in ((1, 600), (16, 40)):
+        ragged, row_start = ragged_copy(scores[:, :width], lens, page_size)
+        # ART's importance order is made by the top-k path, over dense copies of the rows
+        choose = unit_chooser(DEVICE, 9, 2, page_size, True, row_start=row_start, width=width)
+        oracle = select_pages(scores[:, :width], lens, 9, 2, page_size, by_importance=True)
+        chosen = choose(ragged, lens)
+        assert torch.equal(chosen[0], oracle[0]) and torch.equal(chosen[1], oracle[1])
 
 
 def test_fused_selection_keeps_the_rule():

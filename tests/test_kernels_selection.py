@@ -8,8 +8,10 @@ import torch
 from kernel_cases import DEVICE, OUT_TOL, make_batch
 from sglang_ext.kernels.selection_attention import (
     PAGE_SIZE,
+    ScoreRows,
     delta_selection_attention,
     page_scores_ref,
+    ragged_selection_attention,
     score_tokens,
     selection_attention_ref,
     tidal_selection_attention,
@@ -119,3 +121,45 @@ def test_output_matches_sglang_decode_kernel():
     )
     out, _, _ = delta_selection_attention(**batch, sm_scale=sm_scale)
     torch.testing.assert_close(out, expected, **OUT_TOL[torch.float16])
+
+
+@pytest.mark.parametrize("use_probs", [True, False])
+def test_ragged_rows_hold_each_requests_scores_and_nothing_else(use_probs):
+    # rows of 5, 37 and 70 tokens start at pages 0, 1 and 4 of one long row and end on page 9:
+    # buffers sized by the tokens a batch holds (120), not by batch x --context-length
+    batch, sm_scale = make_batch(torch.float16)
+    rows = ScoreRows(120, max_batch=4, num_q_heads=6, device=DEVICE, pages=use_probs)
+    for buffer in (rows.logits, rows.tokens, rows.pages):
+        if buffer is not None:
+            buffer.fill_(float("nan"))
+    rows.place(batch["seq_lens"])
+    assert rows.row_start[:3].tolist() == [0, 16, 64]
+    out, tokens, pages = ragged_selection_attention(
+        **batch, sm_scale=sm_scale, rows=rows, use_probs=use_probs
+    )
+    out_ref, probs_ref = selection_attention_ref(**batch, sm_scale=sm_scale)
+    without_v = {name: t for name, t in batch.items() if name != "v_buffer"}
+    expected = probs_ref if use_probs else tidal_token_scores_ref(**without_v, sm_scale=sm_scale)
+    torch.testing.assert_close(out, out_ref, **OUT_TOL[torch.float16])
+    for b, (start, seq_len) in enumerate([(0, 5), (16, 37), (64, 70)]):
+        end = start + -(-seq_len // PAGE_SIZE) * PAGE_SIZE
+        row = tokens[start:end]
+        torch.testing.assert_close(row[:seq_len], expected[b, :seq_len], atol=1e-3, rtol=1e-3)
+        assert (row[seq_len:] == float("-inf")).all()  # its last page's tail
+        if use_probs:
+            page_rows = pages[start // PAGE_SIZE : end // PAGE_SIZE]
+            torch.testing.assert_close(page_rows, page_scores_ref(expected[b : b + 1, :seq_len])[0])
+    assert tokens[144:].isnan().all()  # past the batch's rows: untouched
+    assert pages is None or pages[144 // PAGE_SIZE :].isnan().all()
+
+
+def test_a_batch_beyond_the_pool_gets_eager_buffers_of_its_size():
+    rows = ScoreRows(100, max_batch=4, num_q_heads=2, device=DEVICE, pages=True)
+    graphed = rows.tokens
+    assert rows.reserve(100) and rows.tokens is graphed  # what CUDA graphs recorded
+    assert graphed.shape[0] >= 100 + 4 * PAGE_SIZE  # each row rounded up to a page, padding too
+    assert not rows.reserve(500)  # shared prefixes counted per request: too many for the graph
+    grown = rows.tokens
+    assert grown.shape[0] >= 500 + 4 * PAGE_SIZE and rows.logits.shape == (2, grown.shape[0])
+    assert not rows.reserve(300) and rows.tokens is grown  # kept, not made again
+    assert rows.reserve(10) and rows.tokens is graphed and rows.logits.shape[1] == graphed.shape[0]

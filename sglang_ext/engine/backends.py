@@ -79,6 +79,7 @@ class PolicyDispatchMixin:
             hole_slot=HOLE_SLOT,
             num_q_heads=model_config.num_attention_heads // _attention_tp_size(),
             head_dim=model_config.head_dim,
+            kv_pool_tokens=self.token_to_kv_pool.size,
         )
         self.kv_policy = policy.for_model(context)
         self.policy_runtime = self.kv_policy.runtime(context)

@@ -4,9 +4,11 @@
   request its state (``requests.begin_prefill``); every batch gets the runtime's host-side plan
   (``plan_step``, from ``seq_lens_cpu``: no device sync);
 - around ``ModelRunner.forward``: the plan runs first (``run_plan``: a prefill's rows, eviction
-  rounds, cache correction), then the forward; then each request's report, made once, goes into
-  the step's ``customized_info`` (SGLang's per-token channel to the response's meta_info) and,
-  for a decode batch, into the metrics.
+  rounds, cache correction, decode buffers sized for the batch), then the forward; then each
+  request's report, made once, goes into the step's ``customized_info`` (SGLang's per-token
+  channel to the response's meta_info) and, for a decode batch, into the metrics;
+- around the decode CUDA graph runner's ``can_run_graph``: a step that the runtime's recorded
+  buffers cannot take (``PolicyRuntime.graphable``) runs eagerly.
 """
 
 from __future__ import annotations
@@ -65,6 +67,12 @@ def run_step(forward, model_runner, forward_batch, *args, **kwargs):
     return output
 
 
+def graph_fits(can_run_graph, graph_runner, forward_batch, *args, **kwargs):
+    runtime = runtime_of(graph_runner.model_runner)
+    fits = runtime is None or runtime.graphable
+    return fits and can_run_graph(graph_runner, forward_batch, *args, **kwargs)
+
+
 _OPS = "sglang_ext_ops"  # on a ModelRunner: its EngineOps, made once
 
 
@@ -92,3 +100,4 @@ def register(hooks) -> None:
 
     hooks.register(targets.INIT_NEW, plan_batch, HookType.AFTER)
     hooks.register(targets.FORWARD, run_step, HookType.AROUND)
+    hooks.register(targets.CAN_RUN_GRAPH, graph_fits, HookType.AROUND)

@@ -17,6 +17,9 @@ _OPENAI = "sglang.srt.entrypoints.openai"
 # scheduler process: every batch, the model's forward
 INIT_NEW = f"{_FB}.ForwardBatch.init_new"
 FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+CAN_RUN_GRAPH = (
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph"
+)
 # scheduler process: memory (policies that evict)
 FREE = "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.free"
 CACHE_UNFINISHED = "sglang.srt.mem_cache.common.maybe_cache_unfinished_req"
@@ -37,7 +40,7 @@ COMPLETION = f"{_OPENAI}.serving_completions.OpenAIServingCompletion._build_comp
 COMPLETION_STREAM = f"{_OPENAI}.serving_completions.OpenAIServingCompletion._generate_completion_stream"
 
 ALL = (
-    INIT_NEW, FORWARD, FREE, CACHE_UNFINISHED, UNCACHED_SIZES, PREFILL_ADDER, CHECK_DECODE_MEM,
+    INIT_NEW, FORWARD, CAN_RUN_GRAPH, FREE, CACHE_UNFINISHED, UNCACHED_SIZES, PREFILL_ADDER, CHECK_DECODE_MEM,
     VALIDATE, NORMALIZE, DETOKENIZE, GENERATE, CHAT, CHAT_STREAM, COMPLETION, COMPLETION_STREAM,
 )  # fmt: skip
 
