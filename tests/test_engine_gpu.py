@@ -161,3 +161,26 @@ def test_lethe_frees_slots_in_rounds_and_the_pool_stays_exact(servers):
         total = meta["prompt_tokens"] + meta["completion_tokens"]
         assert retained[-1] + evicted[-1] == total - 1
     assert_exact_and_healthy(server)
+
+
+# About 3,000 tokens: twelve requests of it hold more tokens in all than the 32,768-token pool,
+# which holds it once (the radix cache shares it).
+SHARED_PROMPT = " ".join(
+    f"Fact {i}: the {color} box holds {i * 7} marbles."
+    for i, color in enumerate(["red", "blue", "green", "yellow", "white"] * 50)
+) + " Question: how many marbles does the green box of fact 2 hold? Answer:"
+
+
+@pytest.mark.parametrize("name", ["delta", "tidal_small"])
+def test_a_batch_holding_more_than_the_pool_decodes_eagerly_and_alike(servers, name):
+    # Its selection scores do not fit the buffers the CUDA graphs recorded (sized by the pool):
+    # those steps run eagerly on grown buffers. Twelve identical requests decode alike: a row
+    # whose scores spilled past a buffer, or overlapped another's, would choose other pages.
+    server = servers[name]
+    logged = len(server.log().splitlines())
+    outs = generate(server, [SHARED_PROMPT] * 12, max_new_tokens=96)
+    assert outs[0]["meta_info"]["prompt_tokens"] * 12 > 32768
+    assert all(o["output_ids"] == outs[0]["output_ids"] for o in outs)
+    decodes = [line for line in server.log().splitlines()[logged:] if "Decode batch" in line]
+    assert any("cuda graph: False" in line for line in decodes), decodes
+    assert_exact_and_healthy(server)

@@ -1,7 +1,7 @@
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
-
 from sglang_ext.policies import (
     DecodeContext,
     KVPolicy,
@@ -116,3 +116,25 @@ def test_selection_policies_take_a_token_budget_in_their_own_units():
     assert policy_class("tidal").for_token_budget(256) == {"budget_tokens": 256}
     for name in ("delta", "tidal"):  # the smallest budget still builds a valid policy
         build_policy(name, policy_class(name).for_token_budget(16))
+
+
+def test_a_decode_step_reserves_its_buffers_and_leaves_the_graph_when_one_cannot():
+    from sglang_ext.policies.runtime import PolicyRuntime, RequestState, StepRequest
+
+    context = DecodeContext(
+        num_layers=2, base_decode=None, write_kv=None, kv_pool=None, req_to_token=None,
+        max_batch_size=4, device="cpu",
+    )  # fmt: skip
+    asked = []
+    context.step_reservations.append(lambda tokens: asked.append(tokens) or tokens <= 1000)
+    runtime = PolicyRuntime(build_policy("full"), context)
+    requests = [
+        StepRequest(RequestState(None), f"r{n}", n, seq_len, 10, [], 0)
+        for n, seq_len in enumerate([300, 600, 400])
+    ]
+    runtime.run_plan(runtime.plan_step(requests, decode=True), None, None)
+    assert asked == [1300] and not runtime.graphable  # every request's tokens, shared or not
+    runtime.run_plan(runtime.plan_step(requests[:2], decode=True), None, None)
+    assert asked == [1300, 900] and runtime.graphable
+    runtime.run_plan(runtime.plan_step(requests, decode=False), SimpleNamespace(), None)
+    assert asked == [1300, 900]  # a prefill reserves nothing
