@@ -74,10 +74,12 @@ def servers(model_path, strict_env, tmp_path_factory):
 
 
 def generate(server, text, max_new_tokens=32, **request):
+    """Greedy /generate of ``text`` (None: the request names its ``input_ids``)."""
     sampling = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
+    prompt = {} if text is None else {"text": text}
     response = requests.post(
         f"{server.url}/generate",
-        json={"text": text, "sampling_params": sampling, **request},
+        json={**prompt, "sampling_params": sampling, **request},
         timeout=600,
     )
     response.raise_for_status()
@@ -176,18 +178,22 @@ SHARED_PROMPT = " ".join(
 
 
 @pytest.mark.parametrize("name", [name for name in ("delta", "tidal_small") if name in CONFIGS])
-def test_a_batch_holding_more_than_the_pool_decodes_eagerly_and_alike(servers, name):
+def test_a_batch_holding_more_than_the_pool_decodes_eagerly_and_alike(servers, model_path, name):
     # Its selection scores do not fit the buffers the CUDA graphs recorded (sized by the pool):
-    # those steps run eagerly on grown buffers. With the prompt cached first, the twelve are
-    # admitted in one prefill of their last token and decode in every step together, so
-    # identical rows decode alike: a row whose scores spilled past a buffer, or overlapped
-    # another's, would choose other pages. (Admitted one by one, their last tokens' prefills
-    # round differently and their tokens may part.)
+    # those steps run eagerly on grown buffers. With the prompt cached first and the twelve sent
+    # as token ids (SGLang hands such a batch to the scheduler in one message), they are admitted
+    # in one prefill of their last token and decode in every step together, so identical rows
+    # decode alike: a row whose scores spilled past a buffer, or overlapped another's, would
+    # choose other pages. (Sent as text they were admitted 1 + 2 + 9 on the H100, and the last
+    # tokens' prefills, rounded in batches of other sizes, may part their tokens.)
+    from transformers import AutoTokenizer
+
     server = servers[name]
-    generate(server, SHARED_PROMPT, max_new_tokens=1)
+    ids = AutoTokenizer.from_pretrained(model_path)(SHARED_PROMPT).input_ids
+    generate(server, None, max_new_tokens=1, input_ids=ids)
     logged = len(server.log().splitlines())
-    outs = generate(server, [SHARED_PROMPT] * 12, max_new_tokens=96)
-    assert outs[0]["meta_info"]["prompt_tokens"] * 12 > 32768
+    outs = generate(server, None, max_new_tokens=96, input_ids=[ids] * 12)
+    assert len(ids) * 12 > 32768
     lines = server.log().splitlines()[logged:]
     prefills = [line for line in lines if "Prefill batch" in line]
     assert len(prefills) == 1 and "#new-seq: 12," in prefills[0], prefills
