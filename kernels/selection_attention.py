@@ -10,12 +10,12 @@ top-k per query head. Our sparse layers share one token list across heads, so he
 max (not sum) keeps a token that any single head favours, where a sum of signed logits lets heads
 cancel out.
 
-Scores are per logical position, fp32, and -inf past the request's end (tokens >= seq_len, pages
-with no token) to the end of its last 256-token block; the rest of the row (sized to the server's
-context) is not written, as the selection reads only each request's own units.
+Scores are per logical position, fp32, in ragged rows (``ScoreRows``): a request's row starts
+where the one before it ends (rounded up to a page) in one buffer sized by the KV pool's tokens,
+and holds its own tokens (-inf past its end within its last page) and pages, nothing more.
 
-How: stage 1 of the split-KV kernel also stores the scaled logits [batch, q_heads, max_seq_len]
-(fp32); once stage 2 has each head's exact LSE, one fused kernel turns them into probabilities
+How: stage 1 of the split-KV kernel also stores the scaled logits ([q_heads, ragged rows], fp32);
+once stage 2 has each head's exact LSE, one fused kernel turns them into probabilities
 (exp(logit - LSE)), takes the max over heads and sums pages. Storing logits (4 B per token per
 query head) costs far less bandwidth than re-reading K (2·head_dim B per token per KV head).
 """
@@ -136,22 +136,6 @@ def score_tokens(
     )  # fmt: skip
 
 
-def _attend_and_score(cache, max_seq_len, splitting, out, use_probs):
-    q, req_to_token, seq_lens = cache[0], cache[3], cache[5]
-    batch, num_q_heads, _ = q.shape
-    max_seq_len = req_to_token.shape[1] if max_seq_len is None else max_seq_len
-    # allocated per call: inside a CUDA graph that is the graph's own pool (a buffer owned up
-    # front would be sized for SGLang's whole request pool, thousands of rows)
-    f32 = {"dtype": torch.float32, "device": q.device}
-    logits = torch.empty(batch, num_q_heads, max_seq_len, **f32)
-    out, lse = split_kv_decode(*cache, logits=logits, **splitting, out=out)
-    token_scores = torch.empty(batch, max_seq_len, **f32)
-    num_pages = triton.cdiv(max_seq_len, PAGE_SIZE)
-    page_scores = torch.empty(batch, num_pages, **f32) if use_probs else None
-    score_tokens(logits, lse, seq_lens, token_scores, page_scores, use_probs=use_probs)
-    return out, token_scores, page_scores
-
-
 class ScoreRows:
     """A selection layer's logits and scores for a decode batch, owned up front and laid out
     ragged: request b's row starts at token column ``row_start[b]`` of one long row (per query
@@ -213,14 +197,18 @@ def ragged_selection_attention(
     rows: ScoreRows,
     use_probs: bool,
     workspace: SplitKVWorkspace | None = None,
+    num_kv_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A selection layer's full attention with its scores in ``rows``' ragged buffers (placed for
     this batch): (out, token_scores [capacity], page_scores [capacity / 16] or None), DELTA's
-    (``use_probs``: probabilities, and pages) or TidalDecode's (logits, no pages)."""
+    (``use_probs``: the max over query heads of the attention probability, and page sums) or
+    TidalDecode's (of the scaled logit q·k, no pages). ``workspace`` or ``num_kv_splits`` as for
+    split_kv_decode."""
     out, lse = split_kv_decode(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale,
-        logits=rows.logits, logits_row_start=rows.row_start, workspace=workspace, out=out,
+        logits=rows.logits, logits_row_start=rows.row_start, num_kv_splits=num_kv_splits,
+        workspace=workspace, out=out,
     )  # fmt: skip
     pages = rows.pages if use_probs else None
     score_tokens(
@@ -228,55 +216,6 @@ def ragged_selection_attention(
         row_start=rows.row_start[: q.shape[0]], max_seq_len=req_to_token.shape[1],
     )  # fmt: skip
     return out, rows.tokens, pages
-
-
-def delta_selection_attention(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sm_scale: float,
-    max_seq_len: int | None = None,
-    num_kv_splits: int | None = None,
-    workspace: SplitKVWorkspace | None = None,
-    out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Full decode attention of a Δ-layer.
-
-    Returns (out [batch, q_heads, dim] in q's dtype, token_scores [batch, max_seq_len] fp32,
-    page_scores [batch, ceil(max_seq_len / 16)] fp32). max_seq_len (default req_to_token.shape[1])
-    sizes the score buffers and must cover every seq_len; num_kv_splits and workspace as for
-    split_kv_decode.
-    """
-    cache = (q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale)
-    splitting = {"num_kv_splits": num_kv_splits, "workspace": workspace}
-    return _attend_and_score(cache, max_seq_len, splitting, out, use_probs=True)
-
-
-def tidal_selection_attention(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sm_scale: float,
-    max_seq_len: int | None = None,
-    num_kv_splits: int | None = None,
-    workspace: SplitKVWorkspace | None = None,
-    out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full decode attention of a TidalDecode token-selection layer.
-
-    Returns (out, token_scores [batch, max_seq_len] fp32 = max over query heads of sm_scale * q·k);
-    max_seq_len as for delta_selection_attention.
-    """
-    cache = (q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale)
-    splitting = {"num_kv_splits": num_kv_splits, "workspace": workspace}
-    out, token_scores, _ = _attend_and_score(cache, max_seq_len, splitting, out, use_probs=False)
-    return out, token_scores
 
 
 def _full_attention_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale):

@@ -33,3 +33,28 @@ def make_batch(dtype, seq_lens=(5, 37, 70), num_kv_heads=2, group=3, head_dim=64
         "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
     }
     return {name: t.to(DEVICE) for name, t in batch.items()}, head_dim**-0.5
+
+
+def selection_scores(batch, sm_scale, use_probs=True, rows=None, num_kv_splits=None):
+    """A selection layer as the engine runs it (ragged score rows, placed for the batch): (out,
+    token scores [batch, context], page scores [batch, context / 16] or None), the scores as
+    dense rows, -inf past each request's tokens or pages."""
+    from sglang_ext.kernels.page_select import dense_rows
+    from sglang_ext.kernels.selection_attention import (
+        PAGE_SIZE,
+        ScoreRows,
+        ragged_selection_attention,
+    )
+
+    seq_lens, width = batch["seq_lens"], batch["req_to_token"].shape[1]
+    if rows is None:
+        fits = int(seq_lens.sum())
+        rows = ScoreRows(fits, len(seq_lens), batch["q"].shape[1], DEVICE, pages=use_probs)
+    rows.place(seq_lens)
+    out, tokens, pages = ragged_selection_attention(
+        **batch, sm_scale=sm_scale, rows=rows, use_probs=use_probs, num_kv_splits=num_kv_splits
+    )
+    tokens = dense_rows(tokens, rows.row_start, seq_lens, width, 1)
+    if pages is not None:
+        pages = dense_rows(pages, rows.row_start, seq_lens, -(-width // PAGE_SIZE), PAGE_SIZE)
+    return out, tokens, pages

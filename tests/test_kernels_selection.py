@@ -5,16 +5,14 @@ Without CUDA the kernels run under Triton's interpreter on CPU tensors (tests/ke
 
 import pytest
 import torch
-from kernel_cases import DEVICE, OUT_TOL, make_batch
+from kernel_cases import DEVICE, OUT_TOL, make_batch, selection_scores
 from sglang_ext.kernels.selection_attention import (
     PAGE_SIZE,
     ScoreRows,
-    delta_selection_attention,
     page_scores_ref,
     ragged_selection_attention,
     score_tokens,
     selection_attention_ref,
-    tidal_selection_attention,
     tidal_token_scores_ref,
 )
 
@@ -25,7 +23,7 @@ SCORE_TOL = {"atol": 1e-4, "rtol": 1e-3}
 @pytest.mark.parametrize("num_kv_heads,group,head_dim", [(2, 3, 64), (4, 1, 32)])
 def test_delta_selection_matches_reference(dtype, num_kv_heads, group, head_dim):
     batch, sm_scale = make_batch(dtype, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim)
-    out, token_scores, page_scores = delta_selection_attention(**batch, sm_scale=sm_scale)
+    out, token_scores, page_scores = selection_scores(batch, sm_scale)
     out_ref, token_scores_ref = selection_attention_ref(**batch, sm_scale=sm_scale)
     torch.testing.assert_close(out, out_ref, **OUT_TOL[dtype])
     # assert_close also demands the same -inf padding.
@@ -36,7 +34,7 @@ def test_delta_selection_matches_reference(dtype, num_kv_heads, group, head_dim)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_tidal_selection_matches_reference(dtype):
     batch, sm_scale = make_batch(dtype)
-    out, token_scores = tidal_selection_attention(**batch, sm_scale=sm_scale)
+    out, token_scores, _ = selection_scores(batch, sm_scale, use_probs=False)
     out_ref, _ = selection_attention_ref(**batch, sm_scale=sm_scale)
     torch.testing.assert_close(out, out_ref, **OUT_TOL[dtype])
     without_v = {name: t for name, t in batch.items() if name != "v_buffer"}
@@ -46,10 +44,8 @@ def test_tidal_selection_matches_reference(dtype):
 
 def test_scores_are_padded_and_pages_may_be_partial():
     batch, sm_scale = make_batch(torch.float16)
-    _, token_scores, page_scores = delta_selection_attention(
-        **batch, sm_scale=sm_scale, max_seq_len=80
-    )
-    assert token_scores.shape == (3, 80) and page_scores.shape == (3, 5)
+    _, token_scores, page_scores = selection_scores(batch, sm_scale)
+    assert token_scores.shape == (3, 96) and page_scores.shape == (3, 6)
     num_heads = batch["q"].shape[1]
     for b, seq_len in enumerate(batch["seq_lens"].tolist()):
         tokens, pages = token_scores[b], page_scores[b]
@@ -81,11 +77,9 @@ def test_scores_are_written_to_the_end_of_each_requests_last_block_only():
 
 def test_split_count_does_not_change_results():
     batch, sm_scale = make_batch(torch.float16)
-    one_split = delta_selection_attention(**batch, sm_scale=sm_scale, num_kv_splits=1)
+    one_split = selection_scores(batch, sm_scale, num_kv_splits=1)
     for num_kv_splits in (3, 8):  # 8 leaves most splits of the short requests empty
-        many_splits = delta_selection_attention(
-            **batch, sm_scale=sm_scale, num_kv_splits=num_kv_splits
-        )
+        many_splits = selection_scores(batch, sm_scale, num_kv_splits=num_kv_splits)
         for got, expected in zip(many_splits, one_split):
             torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)
 
@@ -119,7 +113,7 @@ def test_output_matches_sglang_decode_kernel():
         1.0,
         1.0,
     )
-    out, _, _ = delta_selection_attention(**batch, sm_scale=sm_scale)
+    out, _, _ = selection_scores(batch, sm_scale)
     torch.testing.assert_close(out, expected, **OUT_TOL[torch.float16])
 
 

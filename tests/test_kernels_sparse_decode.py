@@ -5,13 +5,9 @@ Without CUDA the kernels run under Triton's interpreter on CPU tensors (tests/ke
 
 import pytest
 import torch
-from kernel_cases import DEVICE, OUT_TOL, make_batch
+from kernel_cases import DEVICE, OUT_TOL, make_batch, selection_scores
 from sglang_ext.kernels.page_select import select_pages, select_tokens
-from sglang_ext.kernels.selection_attention import (
-    delta_selection_attention,
-    selection_attention_ref,
-    tidal_selection_attention,
-)
+from sglang_ext.kernels.selection_attention import ScoreRows, selection_attention_ref
 from sglang_ext.kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_ref
 
 SEQ_LENS = (5, 37, 70)
@@ -34,7 +30,7 @@ def test_all_pages_selected_equals_full_attention(dtype):
     out = sparse_decode_attention(**batch, selected=selected, num_selected=count, sm_scale=sm_scale)
     full_ref, _ = selection_attention_ref(**batch, sm_scale=sm_scale)
     torch.testing.assert_close(out, full_ref, **OUT_TOL[dtype])
-    full, _, _ = delta_selection_attention(**batch, sm_scale=sm_scale)
+    full, _, _ = selection_scores(batch, sm_scale)
     torch.testing.assert_close(out, full, **OUT_TOL[dtype])
 
 
@@ -74,14 +70,14 @@ def test_empty_selection_outputs_zeros():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_delta_and_tidal_steps_match_reference(dtype):
     batch, sm_scale = make_batch(dtype)
-    _, _, page_scores = delta_selection_attention(**batch, sm_scale=sm_scale)
+    _, _, page_scores = selection_scores(batch, sm_scale)
     selected, count = select_pages(page_scores, batch["seq_lens"], budget=3, num_recent=1)
     kwargs = dict(batch, selected=selected, num_selected=count, sm_scale=sm_scale)
     torch.testing.assert_close(
         sparse_decode_attention(**kwargs), sparse_decode_attention_ref(**kwargs), **OUT_TOL[dtype]
     )
 
-    _, token_scores = tidal_selection_attention(**batch, sm_scale=sm_scale)
+    _, token_scores, _ = selection_scores(batch, sm_scale, use_probs=False)
     selected, count = select_tokens(token_scores, batch["seq_lens"], budget=20)
     kwargs = dict(batch, selected=selected, num_selected=count, sm_scale=sm_scale, page_size=1)
     torch.testing.assert_close(
@@ -92,9 +88,10 @@ def test_delta_and_tidal_steps_match_reference(dtype):
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
 def test_delta_step_replays_in_a_cuda_graph():
     batch, sm_scale = make_batch(torch.float16)
+    rows = ScoreRows(256, max_batch=3, num_q_heads=batch["q"].shape[1], device=DEVICE, pages=True)
 
     def step():
-        _, _, page_scores = delta_selection_attention(**batch, sm_scale=sm_scale)
+        _, _, page_scores = selection_scores(batch, sm_scale, rows=rows)
         selected, count = select_pages(page_scores, batch["seq_lens"], budget=3, num_recent=1)
         return sparse_decode_attention(
             **batch, selected=selected, num_selected=count, sm_scale=sm_scale
