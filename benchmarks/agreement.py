@@ -12,7 +12,11 @@ say, selections by the policy's own rule from the engine's token scores, over th
 over a selection is torch's (the kernels' test oracle). ``window-W`` attends to the last W tokens
 at every layer (the floor to beat). ``full`` runs the same one-step path (top-1 1, KL ~1e-7: the
 path itself); ``bf16`` is full attention with the model in bf16 against fp32 (the noise floor).
-Lethe is not measured here: its retained set depends on the rounds of a whole decode.
+``lethe-R`` (``--lethe-ratios``: its ``max_kv_ratio``) decodes the passage from --positions-from
+on through the engine's own Lethe runtime, the first --positions-from tokens its prompt, every
+step's query the prefill's; each measured step reads what each layer retains then
+(``sglang_ext.agreement.LetheReads``), and ``kv_kept_fraction`` is the share of the positions
+whose KV it still holds there.
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ def readers(args, num_layers: int, fingerprint: dict) -> dict[str, object]:
             config = policy_class(name).for_token_budget(budget)
             policy = build_policy(name, config).for_model(ctx)
             out[f"{name}-{budget}"] = ag.SelectionReads(policy, num_layers)
+    for ratio in args.lethe_ratios:
+        config = {"max_kv_ratio": ratio, "evict_threshold": args.lethe_threshold}
+        lethe = build_policy("lethe", config)
+        out[f"lethe-{ratio:g}"] = ag.LetheReads(lethe, num_layers, args.positions_from)
     return out
 
 
@@ -53,16 +61,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--window", type=int, default=1024, help="the window baseline's tokens")
     parser.add_argument("--positions-from", type=int, default=1024)
     parser.add_argument("--stride", type=int, default=64, help="every stride-th position measured")
+    parser.add_argument(
+        "--lethe-ratios", type=harness.float_list, default=[0.3],
+        help="Lethe's max_kv_ratio values to measure (none: an empty string)",
+    )  # fmt: skip
+    parser.add_argument("--lethe-threshold", type=int, default=1024, help="Lethe's evict_threshold")
     return parser
 
 
 def measure(args, model_path) -> tuple[dict, str]:
-    """(label, length) -> (top-1 per position, KL per position) over every passage; the source."""
+    """(label, length) -> (top-1 per position, KL per position, budget, share of KV kept per
+    position or []) over every passage; the source."""
     model = ag.load_model(model_path, torch.float32)
     half = ag.load_model(model_path, torch.bfloat16)
     reads = readers(args, model.config.num_hidden_layers, model_fingerprint(model.config))
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-    results: dict[tuple[str, int], list[list[torch.Tensor]]] = {}
+    results: dict[tuple[str, int], list[list]] = {}
     source = ""
     for length in args.lengths:
         positions = list(range(args.positions_from, length, args.stride))
@@ -74,13 +88,16 @@ def measure(args, model_path) -> tuple[dict, str]:
             passage = ag.Passage.prefill(model, ids, positions)
             bf16 = ag.agreement(passage.reference, ag.prefill(half, ids, positions)[0])
             measured = {
-                "bf16": bf16,
-                **{label: passage.measure(model, r) for label, r in reads.items()},
+                "bf16": (*bf16, []),
+                **{
+                    label: (*passage.measure(model, r), r.take_kept()) for label, r in reads.items()
+                },
             }
-            for label, (top1, kl) in measured.items():
-                entry = results.setdefault((label, length), [[], []])
+            for label, (top1, kl, kept) in measured.items():
+                entry = results.setdefault((label, length), [[], [], []])
                 entry[0].append(top1)
                 entry[1].append(kl)
+                entry[2] += kept
             elapsed = time.perf_counter() - start
             print(
                 f"{BENCH}: {length}-token passage, {len(positions)} positions in {elapsed:.0f} s",
@@ -88,14 +105,18 @@ def measure(args, model_path) -> tuple[dict, str]:
             )
     budgets = {"bf16": "", **{label: reader.budget for label, reader in reads.items()}}
     return {
-        key: (torch.cat(t), torch.cat(k), budgets[key[0]]) for key, (t, k) in results.items()
+        key: (torch.cat(t), torch.cat(k), budgets[key[0]], kept)
+        for key, (t, k, kept) in results.items()
     }, source
 
 
 def rows_of(info: RunInfo, shape: str, results: dict) -> list[Row]:
     rows = []
-    for (label, length), (top1, kl, budget) in results.items():
-        for metric, value in (("top1_agreement", top1.mean()), ("kl_nats", kl.mean())):
+    for (label, length), (top1, kl, budget, kept) in results.items():
+        metrics = [("top1_agreement", top1.mean()), ("kl_nats", kl.mean())]
+        if kept:
+            metrics.append(("kv_kept_fraction", sum(kept) / len(kept)))
+        for metric, value in metrics:
             rows.append(
                 info.row(
                     bench=BENCH,

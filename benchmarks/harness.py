@@ -178,6 +178,10 @@ def int_list(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part]
 
 
+def float_list(text: str) -> list[float]:
+    return [float(part) for part in text.split(",") if part]
+
+
 def name_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 

@@ -8,13 +8,16 @@ position p through every layer, reading the prefill's K/V of tokens 0..p-1 and i
 each layer reads what its ``reads`` say: every token (full), the last W (a window), or, for DELTA
 and TidalDecode, as ``layer_roles`` assigns — a selection layer reads every token, then chooses by
 the policy's own ``Selection.choose`` from the engine's token scores; a sparse layer reads the
-latest choice. The context is the reference text (teacher forcing); the step is the policy's.
-benchmarks/agreement.py reports it; sglang_ext.calibrate chooses layer lists by it.
+latest choice; under Lethe each layer reads what the engine's own Lethe runtime retains after a
+decode from the prompt's end to the position (``LetheReads``). The context is the reference text
+(teacher forcing); the step is the policy's. benchmarks/agreement.py reports it;
+sglang_ext.calibrate chooses layer lists by it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM
@@ -28,16 +31,24 @@ ATTENTION = "sglang_ext_agreement"
 
 
 class FullReads:
-    """Every layer reads every token."""
+    """Every layer reads every token. What every reads object offers: ``tokens`` (what a layer
+    reads at the step, None: all), ``advance`` (called before the step at a position) and
+    ``take_kept`` (the share of KV an evicting policy held at each step since the last call)."""
 
     budget = ""
+
+    def advance(self, passage: Passage, position: int) -> None:
+        """Stateless reads need nothing before a step."""
+
+    def take_kept(self) -> list[float]:
+        return []  # reads that evict nothing
 
     def tokens(self, layer: int, logits: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
 @dataclasses.dataclass
-class WindowReads:
+class WindowReads(FullReads):
     """Every layer reads the last ``window`` tokens."""
 
     window: int
@@ -51,7 +62,7 @@ class WindowReads:
         return torch.arange(max(0, seq_len - self.window), seq_len)
 
 
-class SelectionReads:
+class SelectionReads(FullReads):
     """A DELTA or TidalDecode step: each layer reads as its role says (``layer_roles``), the
     selections chosen by the policy's own rule from the engine's token scores."""
 
@@ -67,6 +78,103 @@ class SelectionReads:
         if role is LayerRole.SELECT:
             self.selected = at.choose_tokens(self.rule, self.score(logits), logits.shape[1])
         return self.selected if role is LayerRole.SPARSE else None
+
+
+class LetheReads(FullReads):
+    """A Lethe step: each layer reads the tokens it retains, as the engine's own Lethe runtime
+    (``sglang_ext.eviction.LetheRuntime``, its CPU path) keeps them over a decode of the passage
+    from ``prompt_len`` on: the prompt's last queries seed the scores, every step appends its token
+    and adds its attention (RASR), and rounds run whenever the runtime's plan says. Teacher
+    forcing: every step's query is the full prefill's (the measured step alone is the policy's
+    own forward). ``take_kept``: per measured position, the share of the positions so far whose
+    KV the request still holds."""
+
+    ROW = 1  # the request's row in the runtime's one-request table (row 0 left unused)
+
+    def __init__(self, policy, num_layers: int, prompt_len: int):
+        self.policy, self.num_layers, self.prompt_len = policy, num_layers, prompt_len
+        self.budget = policy.budget()
+        self._kept: list[float] = []
+        self._passage: Passage | None = None
+
+    def advance(self, passage: Passage, position: int) -> None:
+        if position < self.prompt_len:
+            raise ValueError(f"position {position} lies in the prompt (< {self.prompt_len})")
+        if passage is not self._passage or position < self._next:
+            self._start(passage)
+        while self._next <= position:
+            self._begin_step(self._next)
+            if self._next < position:  # the measured step's own update follows its measurement
+                self._update_scores(self._next)
+            self._next += 1
+        self._pending = position
+        self._kept.append((position + 1 - self._request.state.evicted) / (position + 1))
+
+    def take_kept(self) -> list[float]:
+        kept, self._kept = self._kept, []
+        return kept
+
+    def tokens(self, layer: int, logits: torch.Tensor) -> torch.Tensor | None:
+        runtime = self._runtime
+        return runtime.positions[layer, self.ROW, : runtime.count[layer, self.ROW]].long()
+
+    def _start(self, passage: Passage) -> None:
+        from sglang_ext.policies.base import DecodeContext
+        from sglang_ext.policies.runtime import EngineOps, StepRequest
+
+        self._passage, self._next, self._pending = passage, self.prompt_len, None
+        n = len(passage.ids)
+        by_slot = {layer: kv.transpose(0, 1).contiguous() for layer, kv in passage.keys.items()}
+        values = {layer: kv.transpose(0, 1).contiguous() for layer, kv in passage.values.items()}
+        ctx = DecodeContext(
+            num_layers=self.num_layers, base_decode=None, write_kv=None,
+            kv_pool=SimpleNamespace(
+                get_key_buffer=by_slot.__getitem__, get_value_buffer=values.__getitem__
+            ),
+            req_to_token=torch.arange(n, dtype=torch.int32).repeat(self.ROW + 1, 1),
+            max_batch_size=1, device=torch.device("cpu"),
+        )  # fmt: skip
+        self._runtime = self.policy.runtime(ctx)
+        # the freed slots go nowhere: the passage's K/V stay where the prefill put them
+        self._engine = EngineOps(lambda slots: None, lambda: 0, rerun_extend=None)
+        state = self._runtime.new_request(self.policy, None)
+        prompt = self.prompt_len
+        self._request = StepRequest(state, "passage", self.ROW, prompt, prompt, [], 0)
+        prefill = self._batch(self.prompt_len, extend_seq_lens_cpu=[self.prompt_len])
+        self._runtime.run_plan(
+            self._runtime.plan_step([self._request], False), prefill, self._engine
+        )
+        for layer in range(self.num_layers):
+            queries = passage.queries[layer][:, : self.prompt_len].transpose(0, 1)
+            self._runtime.after_extend(queries, self._layer(layer), prefill)
+
+    def _begin_step(self, position: int) -> None:
+        """The step's plan (rounds) and its token joining every layer's list, as in the engine."""
+        if self._pending is not None:
+            self._update_scores(self._pending)
+            self._pending = None
+        self._request.seq_len = position + 1
+        batch = self._batch(position + 1)
+        plan = self._runtime.plan_step([self._request], True)
+        self._runtime.run_plan(plan, batch, self._engine)  # a round counts its frees in the state
+        self._runtime.prepare_decode(batch)
+
+    def _update_scores(self, position: int) -> None:
+        """The step's attention over each layer's list, with the prefill's query: RASR scores."""
+        batch = self._batch(position + 1)
+        for layer, decode in enumerate(self._runtime.decode_fns):
+            query = self._passage.queries[layer][:, position].reshape(1, -1)
+            decode(query, None, None, self._layer(layer), batch, False)
+
+    def _batch(self, seq_len: int, **extra):
+        rows, lens = torch.tensor([self.ROW]), torch.tensor([seq_len])
+        return SimpleNamespace(req_pool_indices=rows, seq_lens=lens, seq_lens_cpu=lens, **extra)
+
+    def _layer(self, layer: int):
+        heads, _, dim = self._passage.queries[layer].shape
+        return SimpleNamespace(
+            layer_id=layer, tp_q_head_num=heads, qk_head_dim=dim, scaling=self._passage.scaling
+        )
 
 
 @dataclasses.dataclass
@@ -97,13 +205,14 @@ class OneStep:
 
 
 _step: OneStep | None = None  # while a one-step decode runs
-_recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> prefill (keys, values)
+# layer -> the prefill's (queries, keys, values, scaling)
+_recorded: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]] = {}
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     if _step is not None:
         return _step.attend(module.layer_idx, query, key, value, scaling)
-    _recorded[module.layer_idx] = (key[0].float(), value[0].float())
+    _recorded[module.layer_idx] = (query[0].float(), key[0].float(), value[0].float(), scaling)
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, scaling=scaling, **kwargs
     )
@@ -121,24 +230,28 @@ def load_model(model_path, dtype: torch.dtype = torch.float32):
 
 @torch.inference_mode()
 def prefill(model, ids: list[int], positions: list[int]):
-    """Full attention's next-token logits at ``positions`` [n, vocab] and every layer's K/V."""
+    """Full attention's next-token logits at ``positions`` [n, vocab], every layer's K/V and
+    queries ([heads, tokens, dim] each), and the attention's scaling."""
     _recorded.clear()
     out = model(
         input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=torch.tensor(positions)
     )
-    keys = {layer: kv[0] for layer, kv in _recorded.items()}
-    values = {layer: kv[1] for layer, kv in _recorded.items()}
+    queries, keys, values = ({layer: r[i] for layer, r in _recorded.items()} for i in range(3))
+    scaling = next(iter(_recorded.values()))[3]
     _recorded.clear()
-    return out.logits[0].float(), keys, values
+    return out.logits[0].float(), keys, values, queries, scaling
 
 
 @torch.inference_mode()
-def step_logits(model, ids, positions, keys, values, reads) -> torch.Tensor:
-    """[n, vocab]: the decode step at each position with each layer reading as ``reads`` says."""
+def step_logits(model, passage: Passage, reads) -> torch.Tensor:
+    """[n, vocab]: the decode step at each of the passage's positions, each layer reading as
+    ``reads`` says."""
     global _step
     rows = []
-    for p in positions:
-        _step = OneStep(keys, values, p, reads)
+    ids = passage.ids
+    for p in passage.positions:
+        reads.advance(passage, p)
+        _step = OneStep(passage.keys, passage.values, p, reads)
         try:
             out = model(
                 input_ids=torch.tensor([[ids[p]]]),
@@ -162,13 +275,15 @@ def agreement(reference: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tens
 @dataclasses.dataclass
 class Passage:
     """A prefilled reference text: its ids, the measured positions, full attention's logits at
-    them and every layer's K/V."""
+    them, every layer's K/V and queries, and the attention's scaling."""
 
     ids: list[int]
     positions: list[int]
     reference: torch.Tensor
     keys: dict[int, torch.Tensor]
     values: dict[int, torch.Tensor]
+    queries: dict[int, torch.Tensor]
+    scaling: float
 
     @classmethod
     def prefill(cls, model, ids: list[int], positions: list[int]) -> Passage:
@@ -176,7 +291,7 @@ class Passage:
 
     def measure(self, model, reads) -> tuple[torch.Tensor, torch.Tensor]:
         """Per position: top-1 agreement and KL of the step that ``reads`` describe."""
-        logits = step_logits(model, self.ids, self.positions, self.keys, self.values, reads)
+        logits = step_logits(model, self, reads)
         return agreement(self.reference, logits)
 
 
