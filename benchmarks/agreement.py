@@ -16,12 +16,14 @@ path itself); ``bf16`` is full attention with the model in bf16 against fp32 (th
 on through the engine's own Lethe runtime, the first --positions-from tokens its prompt, every
 step's query the prefill's; each measured step reads what each layer retains then
 (``sglang_ext.agreement.LetheReads``), and ``kv_kept_fraction`` is the share of the positions
-whose KV it still holds there.
+whose KV it still holds there. ``--variants tidal:sink_tokens=0`` measures a policy with other
+parameters beside its defaults, at each budget (``tidal[sink_tokens=0]-1024``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
@@ -32,22 +34,48 @@ from benchmarks.harness import Row, RunInfo
 from sglang_ext import agreement as ag
 from sglang_ext import attention_trace as at
 from sglang_ext.calibrate import model_slug
-from sglang_ext.policies import build_policy, policy_class
+from sglang_ext.policies import PolicyConfigError, build_policy, policy_class
 from sglang_ext.policies.calibration import model_fingerprint
 
 BENCH = "agreement"
 
 
+def variant(text: str) -> tuple[str, dict]:
+    """``NAME:KEY=VALUE,...`` -> (policy name, parameters); values are JSON (numbers, lists)."""
+    name, _, assignments = text.partition(":")
+    if name not in ("delta", "tidal") or not assignments:
+        raise argparse.ArgumentTypeError(f"expected delta:KEY=VALUE,... or tidal:..., got {text!r}")
+    params = {}
+    for assignment in assignments.split(","):
+        key, equals, value = assignment.partition("=")
+        if not equals:
+            raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {assignment!r}")
+        try:
+            params[key] = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise argparse.ArgumentTypeError(f"{key}: {value!r} is not a JSON value") from err
+    try:
+        build_policy(name, params)
+    except PolicyConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+    return name, params
+
+
 def readers(args, num_layers: int, fingerprint: dict) -> dict[str, object]:
     """label -> what each layer reads: full, the window, each policy at each budget of B tokens
-    (``for_token_budget``: DELTA B/16 pages, B/128 of them recent; Tidal B tokens)."""
+    (``for_token_budget``: DELTA B/16 pages, B/128 of them recent; Tidal B tokens), with its
+    defaults and as each of ``--variants`` changes them."""
     ctx = at.cpu_context(num_layers, fingerprint)
     out = {"full": ag.FullReads(), f"window-{args.window}": ag.WindowReads(args.window)}
+    configs = [(name, {}, name) for name in ("delta", "tidal")]
+    for name, params in args.variants:
+        changes = ",".join(f"{key}={json.dumps(value)}" for key, value in params.items())
+        configs.append((name, params, f"{name}[{changes}]"))
     for budget in args.budgets:
-        for name in ("delta", "tidal"):
-            config = policy_class(name).for_token_budget(budget)
+        for name, params, label in configs:
+            config = {**policy_class(name).for_token_budget(budget), **params}
             policy = build_policy(name, config).for_model(ctx)
-            out[f"{name}-{budget}"] = ag.SelectionReads(policy, num_layers)
+            out[f"{label}-{budget}"] = ag.SelectionReads(policy, num_layers)
     for ratio in args.lethe_ratios:
         config = {"max_kv_ratio": ratio, "evict_threshold": args.lethe_threshold}
         lethe = build_policy("lethe", config)
@@ -66,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="Lethe's max_kv_ratio values to measure (none: an empty string)",
     )  # fmt: skip
     parser.add_argument("--lethe-threshold", type=int, default=1024, help="Lethe's evict_threshold")
+    parser.add_argument(
+        "--variants", type=lambda text: [variant(part) for part in text.split(";") if part],
+        default=[], help="';'-separated NAME:KEY=VALUE,... (e.g. tidal:sink_tokens=0): each "
+        "policy with those parameters, measured beside its defaults at each budget",
+    )  # fmt: skip
     return parser
 
 

@@ -1,11 +1,12 @@
 """Which pages (DELTA) or tokens (TidalDecode) the sparse layers attend to, from selection scores.
 
 Per request with n = ceil(seq_len / page_size) pages (the last may be partial): keep the last
-`num_recent` pages, plus the top (budget - num_recent) pages by score among the others; a request
-with n <= budget keeps all n. Ties go to the lower page index (stable sort). The output has a fixed
-shape, [batch, budget] int32 with the kept pages in ascending order then zeros, plus num_selected
-[batch] int32: the input of sparse_decode_attention. It all runs on the device with no host sync,
-so it can live inside a CUDA graph; short and long requests mix freely in one batch.
+`num_recent` pages and the first `num_sink` (attention sinks), plus the top (budget - num_recent -
+num_sink) pages by score among the others; a request with n <= budget keeps all n. Ties go to the
+lower page index (stable sort). The output has a fixed shape, [batch, budget] int32 with the kept
+pages in ascending order then zeros, plus num_selected [batch] int32: the input of
+sparse_decode_attention. It all runs on the device with no host sync, so it can live inside a CUDA
+graph; short and long requests mix freely in one batch.
 """
 
 from typing import Callable
@@ -29,6 +30,7 @@ def select_pages(
     by_importance: bool = False,
     row_budget: torch.Tensor | None = None,
     top_ranked: TopRanked | None = None,
+    num_sink: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DELTA's choice of K = budget pages with a recency window of L = num_recent pages.
 
@@ -37,13 +39,17 @@ def select_pages(
     kept pages for ART's traversal instead of ascending: the recent pages, latest first, then
     the others by score, highest first. ``row_budget`` ([batch], each in [num_recent, budget])
     gives a request its own smaller K; the output keeps its width ``budget``. ``top_ranked``
-    ranks the candidates (default: torch's topk, the oracle; see ``fastest_top_ranked``).
+    ranks the candidates (default: torch's topk, the oracle; see ``fastest_top_ranked``). The
+    first ``num_sink`` pages rank above every other candidate: they are kept while the budget
+    lasts, as ``sink_scores`` ranks them.
     """
     assert 0 <= num_recent <= budget, "the recency window must fit in the budget"
+    assert 0 <= num_sink <= budget - num_recent, "the sinks must fit beside the recency window"
     max_pages = page_scores.shape[1]
     page_ids = torch.arange(max_pages, device=page_scores.device)
     num_pages = (seq_lens.long()[:, None] + page_size - 1) // page_size
     candidate = page_ids < num_pages - num_recent  # exists and is not recent
+    page_scores = sink_scores(page_scores, page_ids, num_sink)
     # A top-k, not a sort: the score rows span the server's whole context (Tidal's: every token).
     num_top = min(budget - num_recent, max_pages)
     top = (top_ranked or torch_top_ranked)(page_scores, candidate, num_top)
@@ -66,6 +72,13 @@ def select_pages(
     if selected.shape[1] < budget:
         selected = F.pad(selected, (0, budget - selected.shape[1]))
     return selected, valid.sum(dim=1, dtype=torch.int32)
+
+
+def sink_scores(scores: torch.Tensor, unit_ids: torch.Tensor, num_sink: int) -> torch.Tensor:
+    """The scores with the first ``num_sink`` units' raised above all others (+inf)."""
+    if num_sink == 0:
+        return scores
+    return torch.where(unit_ids < num_sink, float("inf"), scores)
 
 
 def torch_top_ranked(scores: torch.Tensor, eligible: torch.Tensor, k: int) -> torch.Tensor:
@@ -95,6 +108,7 @@ def unit_chooser(
     by_importance: bool,
     row_start: torch.Tensor | None = None,
     width: int | None = None,
+    num_sink: int = 0,
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """``choose(scores, seq_lens, row_budget=None, out=None) -> (selected, num_selected)``, the
     selection rule of ``select_pages`` by the fastest way on ``device``: the fused kernels on
@@ -112,13 +126,14 @@ def unit_chooser(
         if fused and fused_fits(row_width, budget, num_recent):
             return select_units_fused(
                 scores, seq_lens, budget, num_recent, page_size, row_budget, out,
-                row_start=row_start, width=width,
+                row_start=row_start, width=width, num_sink=num_sink,
             )  # fmt: skip
         if row_start is not None:
             scores = dense_rows(scores, row_start, seq_lens, width, page_size)
         chosen = select_pages(
-            scores, seq_lens, budget, num_recent, page_size, by_importance, row_budget, top_ranked
-        )
+            scores, seq_lens, budget, num_recent, page_size, by_importance, row_budget, top_ranked,
+            num_sink,
+        )  # fmt: skip
         if out is None:
             return chosen
         out[0].copy_(chosen[0])
@@ -206,6 +221,13 @@ def _ordered_key(scores):
 
 
 @triton.jit
+def _load_scores(scores, offs, mask, num_sink):
+    """A chunk's scores, the first ``num_sink`` units' raised to +inf (kept first)."""
+    values = tl.load(scores, mask=mask, other=0.0)
+    return tl.where(offs < num_sink, float("inf"), values)
+
+
+@triton.jit
 def _row_offset(RowStart, row, stride_scores, PAGE, RAGGED):
     """Where a row's scores start: ragged (ScoreRows), its first token's column over the unit
     size; dense, its stride."""
@@ -271,6 +293,7 @@ def _select_kernel(
     stride_selected,
     budget,
     num_recent,
+    num_sink,
     PAGE: tl.constexpr,
     HAS_ROW_BUDGET: tl.constexpr,
     RAGGED: tl.constexpr,
@@ -285,7 +308,7 @@ def _select_kernel(
     offs = tl.arange(0, BLOCK)
     is_candidate = offs < num_candidates
     scores = Scores + _row_offset(RowStart, row, stride_scores, PAGE, RAGGED) + offs
-    keys = _ordered_key(tl.load(scores, mask=is_candidate, other=0.0))
+    keys = _ordered_key(_load_scores(scores, offs, is_candidate, num_sink))
     keep, place = _keep_best(keys, is_candidate, num_top)
     tl.store(selected + place, offs, mask=keep)
     _finish_row(
@@ -306,6 +329,7 @@ def _chunk_best_kernel(
     stride_best,
     budget,
     num_recent,
+    num_sink,
     PAGE: tl.constexpr,
     HAS_ROW_BUDGET: tl.constexpr,
     RAGGED: tl.constexpr,
@@ -324,11 +348,12 @@ def _chunk_best_kernel(
         offs = chunk * CHUNK + tl.arange(0, CHUNK)
         is_candidate = offs < num_candidates
         scores = Scores + _row_offset(RowStart, row, stride_scores, PAGE, RAGGED) + offs
-        keys = _ordered_key(tl.load(scores, mask=is_candidate, other=0.0))
+        keys = _ordered_key(_load_scores(scores, offs, is_candidate, num_sink))
         keep, place = _keep_best(keys, is_candidate, num_top)
         slots = row * stride_best + chunk * (budget - num_recent) + place
         tl.store(Best + slots, offs, mask=keep)
-        tl.store(BestScores + slots, tl.load(scores, mask=keep), mask=keep)  # reread: no spills
+        # reread (no spills); the sinks' +inf goes with them, so that every merge keeps them
+        tl.store(BestScores + slots, _load_scores(scores, offs, keep, num_sink), mask=keep)
         num_kept = tl.sum(keep.to(tl.int32))
     tl.store(NumBest + row * tl.num_programs(1) + chunk, num_kept)
 
@@ -411,6 +436,7 @@ def select_units_fused(
     *,
     row_start: torch.Tensor | None = None,
     width: int | None = None,
+    num_sink: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``select_pages`` (ascending order, not ``by_importance``) by the fused kernels: one pass
     for rows of at most FUSED_MAX_UNITS units, else each chunk's best merged in a tree (rows
@@ -420,6 +446,7 @@ def select_units_fused(
     one row, request b's units from row_start[b] / page_size on (``row_start`` [batch] int64,
     in tokens), and ``width`` is the most units a request has."""
     assert 0 <= num_recent <= budget, "the recency window must fit in the budget"
+    assert 0 <= num_sink <= budget - num_recent, "the sinks must fit beside the recency window"
     ragged = row_start is not None
     batch, width = (seq_lens.shape[0], width) if ragged else scores.shape
     scores_stride = 0 if ragged else scores.stride(0)
@@ -443,7 +470,8 @@ def select_units_fused(
         block = triton.next_power_of_2(width) if per_list else 16
         _select_kernel[(batch,)](
             scores, starts, seq_lens, rows, selected, num_selected, scores_stride,
-            selected.stride(0), budget, num_recent, RAGGED=ragged, BLOCK=block, **shared, **finish,
+            selected.stride(0), budget, num_recent, num_sink, RAGGED=ragged, BLOCK=block, **shared,
+            **finish,
         )  # fmt: skip
         return selected, num_selected
     # Candidate lists, allocated here (inside a CUDA graph: the graph's own pool); the chunks'
@@ -452,7 +480,8 @@ def select_units_fused(
     best, best_scores, num_best = _candidate_lists(batch, lists, per_list, scores)
     _chunk_best_kernel[(batch, lists)](
         scores, starts, seq_lens, rows, best, best_scores, num_best, scores_stride,
-        best.stride(0), budget, num_recent, RAGGED=ragged, CHUNK=FUSED_MAX_UNITS, **shared,
+        best.stride(0), budget, num_recent, num_sink, RAGGED=ragged, CHUNK=FUSED_MAX_UNITS,
+        **shared,
     )  # fmt: skip
     per_group = FUSED_MAX_UNITS // per_list
     while lists > per_group:

@@ -3,8 +3,9 @@
 Layers in ``full_layers`` attend to the whole cache (the engine's own decode). A Δ-layer attends to
 the whole cache too, scores each 16-token page (token score: max over query heads of the attention
 probability; page score: their sum over the page), and selects the last ``recent_pages`` pages plus
-the top ``budget_pages - recent_pages`` others by score; every other layer after it, up to the next
-Δ-layer, attends only to those pages. The selection is made anew at every decode step.
+the top ``budget_pages - recent_pages`` others by score (the first ``sink_pages`` ahead of them:
+off by default, as the probability score finds the sink page anyway); every other layer after
+it, up to the next Δ-layer, attends only to those pages. The selection is made anew at every decode step.
 """
 
 from __future__ import annotations
@@ -34,13 +35,14 @@ PAPER_DEPTH, PAPER_DELTA_LAYERS = 28, [2, 14, 22]  # the paper's Δ-layers for 2
 class DeltaPolicy(SelectionPolicy):
     name = "delta"
     selection_field = "delta_layers"
-    budget_field, recent_field = "budget_pages", "recent_pages"
+    budget_field, recent_field, sink_field = "budget_pages", "recent_pages", "sink_pages"
     budget_unit_tokens = PAGE_SIZE
     request_params = ("budget_pages",)  # at most the server's: it sizes the selection buffers
     full_layers: list[int] | None = None  # unset: calibration file, else [0, 1]
     delta_layers: list[int] | None = None  # unset: calibration file, else [2, 14, 22] at 28 layers
     budget_pages: int = 64
     recent_pages: int = 8
+    sink_pages: int = 0  # the first pages, always kept (its max-probability score finds them)
 
     def paper_layers(self, num_layers: int) -> tuple[list[int], list[int]]:
         return [0, 1], [2, *scaled_layers(PAPER_DELTA_LAYERS[1:], PAPER_DEPTH, num_layers)]
@@ -58,7 +60,7 @@ class DeltaPolicy(SelectionPolicy):
             attend_and_score, ragged = _reference_attention, {}
         choose_pages = unit_chooser(
             ctx.device, self.budget_pages, self.recent_pages, PAGE_SIZE, ctx.art is not None,
-            **ragged,
+            num_sink=self.sink_units(), **ragged,
         )  # fmt: skip
 
         def choose(token_scores, page_scores, seq_lens, row_budget=None, out=None):

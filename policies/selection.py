@@ -52,6 +52,7 @@ class SelectionPolicy(KVPolicy):
     selection_field: ClassVar[str]
     budget_field: ClassVar[str]  # how many units are selected
     recent_field: ClassVar[str]  # how many of them are the last ones, always kept
+    sink_field: ClassVar[str]  # how many of them are the first ones (attention sinks)
     budget_unit_tokens: ClassVar[int] = 1  # tokens per selected unit
 
     def paper_layers(self, num_layers: int) -> tuple[list[int], list[int]]:
@@ -69,6 +70,12 @@ class SelectionPolicy(KVPolicy):
 
     def selecting_layers(self) -> list[int] | None:
         return getattr(self, self.selection_field)
+
+    def sink_units(self) -> int:
+        """The first units kept ahead of any scored one: the sinks, as far as the budget beside
+        the recent units allows."""
+        budget, recent = getattr(self, self.budget_field), getattr(self, self.recent_field)
+        return min(getattr(self, self.sink_field), budget - recent)
 
     def validate_request(self, chosen: SelectionPolicy) -> None:
         budget = getattr(self, self.budget_field)
@@ -90,6 +97,8 @@ class SelectionPolicy(KVPolicy):
             self._error(
                 self.recent_field, f"must be in [0, {self.budget_field}={budget}], got {recent}"
             )
+        if getattr(self, self.sink_field) < 0:
+            self._error(self.sink_field, f"must be >= 0, got {getattr(self, self.sink_field)}")
         self.validate_layers()
 
     def validate_layers(self) -> None:

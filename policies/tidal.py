@@ -3,7 +3,9 @@
 Layers in ``full_layers`` attend to the whole cache. A token-selection layer (by default layer 2
 and one re-selection layer mid-depth) attends to the whole cache too and keeps the
 ``budget_tokens`` tokens with the highest q·k (max over query heads), always including the last
-``recent_tokens`` (the token being decoded); the other layers after it attend only to those tokens.
+``recent_tokens`` (the token being decoded) and the first ``sink_tokens`` (attention sinks, which
+q·k alone often misses: keeping them halved the KL to full attention, RESULTS.md); the other
+layers after it attend only to those tokens.
 With ``correction_interval`` T > 0, every T decode steps the tokens decoded since the last
 correction get their K/V re-filled by a full-attention prefill (sglang_ext.cache_correction).
 """
@@ -31,12 +33,13 @@ PAPER_DEPTH, PAPER_RESELECTION_LAYER = 32, 13  # the paper's best for Llama-3-8B
 class TidalPolicy(SelectionPolicy):
     name = "tidal"
     selection_field = "selection_layers"
-    budget_field, recent_field = "budget_tokens", "recent_tokens"
+    budget_field, recent_field, sink_field = "budget_tokens", "recent_tokens", "sink_tokens"
     request_params = ("budget_tokens",)  # at most the server's: it sizes the selection buffers
     full_layers: list[int] | None = None  # unset: calibration file, else [0, 1]
     selection_layers: list[int] | None = None  # unset: calibration file, else [2, 13 of 32]
     budget_tokens: int = 1024
     recent_tokens: int = 1
+    sink_tokens: int = 4  # the first tokens, always kept: q·k alone misses attention sinks
     correction_interval: int = 0  # T of the paper's cache correction (Sec. 3.2); 0: off
 
     @classmethod
@@ -63,8 +66,9 @@ class TidalPolicy(SelectionPolicy):
         else:  # the torch reference (the Triton interpreter is far too slow to serve with)
             attend_and_score, ragged = _reference_attention, {}
         choose_tokens = unit_chooser(
-            ctx.device, self.budget_tokens, self.recent_tokens, 1, ctx.art is not None, **ragged
-        )
+            ctx.device, self.budget_tokens, self.recent_tokens, 1, ctx.art is not None,
+            num_sink=self.sink_units(), **ragged,
+        )  # fmt: skip
 
         def choose(token_scores, page_scores, seq_lens, row_budget=None, out=None):
             return choose_tokens(token_scores, seq_lens, row_budget, out)

@@ -17,7 +17,7 @@ def values(model_path, tmp_path_factory) -> dict:
     agreement.main([
         "--model-path", str(model_path), "--lengths", "384", "--prompts-per-length", "1",
         "--positions-from", "256", "--stride", "32", "--budgets", "128,512", "--window", "64",
-        "--lethe-ratios", "0.3", "--lethe-threshold", "64",
+        "--lethe-ratios", "0.3", "--lethe-threshold", "64", "--variants", "tidal:sink_tokens=0",
         "--out-dir", str(out), "--results-md", str(out / "RESULTS.md"),
     ])  # fmt: skip
     (rows_path,) = out.glob("agreement-*.json")
@@ -54,6 +54,23 @@ def test_agreement_of_equal_and_of_different_distributions():
     assert top1.tolist() == [1.0, 1.0] and kl.abs().max() < 1e-7
     top1, kl = ag.agreement(reference, reference.flip(-1))
     assert top1.tolist() == [0.0, 1.0] and bool((kl > 0).all())
+
+
+def test_variants_are_measured_beside_the_defaults(values):
+    assert values["tidal[sink_tokens=0]-512", "kl_nats"] < 1e-6  # still covering
+    assert values["tidal[sink_tokens=0]-128", "kl_nats"] != values["tidal-128", "kl_nats"]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [("tidal:sink_tokens", "expected KEY=VALUE"), ("lethe:decay=1", "expected delta:"),
+     ("tidal:sink_tokenz=1", "sink_tokenz"), ("delta:sink_pages=x", "not a JSON value")],
+)  # fmt: skip
+def test_bad_variants_are_refused_naming_the_flag(text, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit:
+        agreement.main(["--variants", text, "--out-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "--variants" in err and message in err, err
 
 
 def test_positions_outside_the_passage_are_refused(tmp_path, capsys):

@@ -15,26 +15,31 @@ from sglang_ext.kernels.page_select import (
 )
 
 
-def expected_pages(scores, seq_len, budget, num_recent, page_size):
-    """All pages if they fit, else the last num_recent plus the best others (ties: lower index)."""
+def expected_pages(scores, seq_len, budget, num_recent, page_size, num_sink=0):
+    """All pages if they fit, else the last num_recent, the first num_sink and the best others
+    (ties: lower index)."""
     num_pages = -(-seq_len // page_size)
     if num_pages <= budget:
         return list(range(num_pages))
-    older = sorted(range(num_pages - num_recent), key=lambda p: (-scores[p], p))
+    older = sorted(range(num_pages - num_recent), key=lambda p: (p >= num_sink, -scores[p], p))
     return sorted(older[: budget - num_recent] + list(range(num_pages - num_recent, num_pages)))
 
 
-def check(scores, seq_lens, budget, num_recent, page_size=16, top_ranked=None):
+def check(scores, seq_lens, budget, num_recent, page_size=16, top_ranked=None, num_sink=0):
     scores = torch.tensor(scores, dtype=torch.float32, device=DEVICE)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    selected, count = select_pages(scores, lens, budget, num_recent, page_size, top_ranked=top_ranked)
+    selected, count = select_pages(
+        scores, lens, budget, num_recent, page_size, top_ranked=top_ranked, num_sink=num_sink
+    )
     assert (
         selected.shape == (len(seq_lens), budget) and selected.dtype == count.dtype == torch.int32
     )
     for row, n, seq_len, row_scores in zip(
         selected.tolist(), count.tolist(), seq_lens, scores.tolist()
     ):
-        assert row[:n] == expected_pages(row_scores, seq_len, budget, num_recent, page_size)
+        assert row[:n] == expected_pages(
+            row_scores, seq_len, budget, num_recent, page_size, num_sink
+        )
         assert row[n:] == [0] * (budget - n)
     return selected, count
 
@@ -57,6 +62,16 @@ def test_signed_and_infinite_scores_rank_by_value():
         scores[0, 3] = float("-inf")
         scores[1, 5] = -0.0
         check(scores.tolist(), [640, 300, 45, 17], budget=7, num_recent=1)
+
+
+def test_sinks_are_kept_ahead_of_better_scored_units():
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(10):
+        scores = torch.randint(-3, 3, (5, 40), generator=gen).float()
+        scores[:, :3] = -100.0  # the sinks score worst: only the rule keeps them
+        check(scores.tolist(), [640, 300, 45, 17, 3], budget=7, num_recent=1, num_sink=3)
+    selected, _ = check([[0.0, 1.0, 5.0, 4.0, 3.0, 2.0]], [6], 3, 1, page_size=1, num_sink=1)
+    assert selected.tolist() == [[0, 2, 5]]  # the sink, the best, the current token
 
 
 ON_FLASHINFER = fastest_top_ranked(DEVICE) is flashinfer_top_ranked
@@ -112,21 +127,24 @@ def test_flashinfer_top_k_never_ranks_what_lies_past_a_request():
     assert torch.equal(ours[0], oracle[0]) and torch.equal(ours[1], oracle[1])
 
 
-def assert_fused_matches_oracle(scores, lens, budget, num_recent, page_size, own=None):
-    oracle = select_pages(scores, lens, budget, num_recent, page_size, row_budget=own)
+def assert_fused_matches_oracle(scores, lens, budget, num_recent, page_size, own=None, num_sink=0):
+    oracle = select_pages(
+        scores, lens, budget, num_recent, page_size, row_budget=own, num_sink=num_sink
+    )
     selected = torch.full((len(lens) + 1, budget), -7, dtype=torch.int32, device=DEVICE)
     count = torch.full((len(lens) + 1,), -7, dtype=torch.int32, device=DEVICE)
     # written in place into rows of larger buffers, as the decoder's
     out = (selected[1:], count[1:])
-    select_units_fused(scores, lens, budget, num_recent, page_size, own, out=out)
+    select_units_fused(scores, lens, budget, num_recent, page_size, own, out=out, num_sink=num_sink)
     assert torch.equal(selected[1:], oracle[0]) and torch.equal(count[1:], oracle[1])
     assert (selected[0] == -7).all() and count[0] == -7
     # the same rows laid out ragged (as ScoreRows holds them), NaN around each row
     ragged, row_start = ragged_copy(scores, lens, page_size)
     width = scores.shape[1]
     chosen = select_units_fused(
-        ragged, lens, budget, num_recent, page_size, own, row_start=row_start, width=width
-    )
+        ragged, lens, budget, num_recent, page_size, own, row_start=row_start, width=width,
+        num_sink=num_sink,
+    )  # fmt: skip
     assert torch.equal(chosen[0], oracle[0]) and torch.equal(chosen[1], oracle[1])
 
 
@@ -167,6 +185,9 @@ def test_fused_selection_keeps_the_rule():
     assert_fused_matches_oracle(ties, lens, 7, 0, 1)  # no recency window
     assert_fused_matches_oracle(ties[:, :40], lens, 6, 2, 16)  # pages
     assert_fused_matches_oracle(ties[:, :40], lens, 3, 3, 16)  # recent pages only
+    ties[:, :4] = -9.0  # sinks that no score would keep
+    assert_fused_matches_oracle(ties, lens, 40, 1, 1, own, num_sink=4)
+    assert_fused_matches_oracle(ties[:, :40], lens, 6, 2, 16, num_sink=1)
 
 
 def test_wide_rows_choose_among_each_chunks_best(monkeypatch):
@@ -186,6 +207,9 @@ def test_wide_rows_choose_among_each_chunks_best(monkeypatch):
     assert_fused_matches_oracle(ties, lens * 2, 7, 2, 2)  # units of two tokens
     # 32 candidates a list, two lists a merge: 20 -> 10 -> 5 -> 3 -> 2 -> the choice
     assert_fused_matches_oracle(ties, lens, 33, 1, 1, own * 2)
+    ties[:, :5] = -9.0  # sinks that no score would keep survive every merge
+    assert_fused_matches_oracle(ties, lens, 13, 1, 1, num_sink=5)
+    assert_fused_matches_oracle(ties, lens, 33, 1, 1, own * 2, num_sink=12)
 
 
 def test_choices_wider_than_a_merge_holds_take_the_top_k_path(monkeypatch):

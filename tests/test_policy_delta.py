@@ -20,6 +20,7 @@ def test_defaults_are_the_papers_for_a_28_layer_model_and_scale_with_depth():
         "delta_layers": None,
         "budget_pages": 64,
         "recent_pages": 8,
+        "sink_pages": 0,
     }
     assert policy.for_model(Cache(num_layers=28).context()).describe() == {
         **policy.describe(), "full_layers": [0, 1], "delta_layers": [2, 14, 22]
@@ -61,6 +62,7 @@ def test_a_matching_calibration_file_sets_unset_layers(calibration_dir):
         ({"full_layers": [0, 1, 14], "delta_layers": [2, 14]}, "full_layers", "[14] are delta_la"),
         ({"full_layers": [0], "delta_layers": [2]}, "full_layers", "[1] come before the first"),
         ({"delta_layers": ["2"]}, "delta_layers", "expected list[int]"),
+        ({"sink_pages": -2}, "sink_pages", "must be >= 0"),
     ],
 )
 def test_bad_parameters_name_the_field(params, field, fragment):
@@ -137,6 +139,17 @@ def test_a_small_budget_selects_budget_pages_into_fixed_state_rows(device, caplo
     full = cache.full_attention(3)
     torch.testing.assert_close(sparse[1:], full[1:], **cache.tol)  # short: all pages
     assert not torch.allclose(sparse[0], full[0], atol=1e-2)  # long: 4 of 19 pages only
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sink_pages_are_kept_ahead_of_the_scored_ones(device):
+    cache = Cache(device=device)
+    fns, decoder = delta_decode_fns(cache, budget_pages=4, recent_pages=1, sink_pages=2)
+    cache.decode(fns[2], 2)
+    chosen = decoder.selected[0].tolist()
+    # the sinks, one scored page, the recent one
+    assert chosen[:2] == [0, 1] and 1 < chosen[2] < 18 and chosen[3] == 18
+    assert decoder.selected[1].tolist() == [0, 1, 2, 0]  # a short request keeps all it has
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")

@@ -10,7 +10,7 @@ from sglang_ext.policies.selection import LayerRole
 
 def test_defaults_reselect_at_the_papers_relative_depth():
     policy = build_policy("tidal")
-    assert (policy.budget_tokens, policy.recent_tokens) == (1024, 1)
+    assert (policy.budget_tokens, policy.recent_tokens, policy.sink_tokens) == (1024, 1, 4)
     assert policy.for_model(Cache(num_layers=32).context()).selection_layers == [2, 13]
     resolved = policy.for_model(Cache(num_layers=28).context())
     assert (resolved.full_layers, resolved.selection_layers) == ([0, 1], [2, 11])
@@ -29,6 +29,7 @@ def test_defaults_reselect_at_the_papers_relative_depth():
         ({"full_layers": [0], "selection_layers": [2]}, "full_layers", "[1] come before"),
         ({"budget_tokens": 1.5}, "budget_tokens", "expected int"),
         ({"correction_interval": -1}, "correction_interval", "must be >= 0"),
+        ({"sink_tokens": -1}, "sink_tokens", "must be >= 0"),
     ],
 )
 def test_bad_parameters_name_the_field(params, field, fragment):
@@ -56,7 +57,7 @@ def test_a_budget_covering_the_context_gives_full_attention(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_small_budget_keeps_the_top_tokens_by_qk_and_the_last(device):
+def test_a_small_budget_keeps_the_sinks_the_top_tokens_by_qk_and_the_last(device):
     cache = Cache(device=device)
     fns, decoder = tidal_decode_fns(cache, budget_tokens=24)
     cache.decode(fns[2], 2)  # writes the new token's K/V, then selects
@@ -68,7 +69,9 @@ def test_a_small_budget_keeps_the_top_tokens_by_qk_and_the_last(device):
     kv_head_of = torch.arange(Cache.Q_HEADS) // (Cache.Q_HEADS // Cache.KV_HEADS)
     keys = cache.keys[2][slots][:, kv_head_of.to(cache.device)].float()  # [tokens, q_heads, dim]
     qk = torch.einsum("hd,thd->ht", q[0], keys).amax(0)
-    expected = set(qk[:-1].topk(23).indices.tolist()) | {seq_len - 1}
+    sinks = build_policy("tidal").sink_tokens
+    qk[:sinks] = qk.min() - 1  # the first tokens are kept however they score
+    expected = set(qk[:-1].topk(23 - sinks).indices.tolist()) | set(range(sinks)) | {seq_len - 1}
     chosen = decoder.selected[0].tolist()
     assert set(chosen) == expected and chosen == sorted(chosen)
 
