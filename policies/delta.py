@@ -5,7 +5,8 @@ the whole cache too, scores each 16-token page (token score: max over query head
 probability; page score: their sum over the page), and selects the last ``recent_pages`` pages plus
 the top ``budget_pages - recent_pages`` others by score (the first ``sink_pages`` ahead of them:
 off by default, as the probability score finds the sink page anyway); every other layer after
-it, up to the next Δ-layer, attends only to those pages. The selection is made anew at every decode step.
+it, up to the next Δ-layer, attends only to those pages. The selection is made anew at every
+decode step.
 """
 
 from __future__ import annotations
