@@ -59,14 +59,16 @@ def topk_overlap(read: torch.Tensor, top_k: torch.Tensor) -> float:
     return float(torch.isin(top_k, read).float().mean())
 
 
-def tidal_policy(reselection_layer: int, budget_tokens: int, recent_tokens: int = 1):
+def tidal_policy(reselection_layer: int, budget_tokens: int, exact_top_k: bool = False):
+    """Tidal with its default recent and sink tokens, or choosing the plain top-k by q·k."""
+    exact = {"recent_tokens": 0, "sink_tokens": 0} if exact_top_k else {}
     return build_policy(
         "tidal",
         {
             "full_layers": FULL_LAYERS,
             "selection_layers": [FIRST_SELECTION_LAYER, reselection_layer],
             "budget_tokens": budget_tokens,
-            "recent_tokens": recent_tokens,
+            **exact,
         },
     )
 
@@ -77,7 +79,7 @@ def measure(trace: at.DecodeTrace, budget_tokens: int) -> dict[str, list[float |
     num_layers = trace.num_layers
     candidates = range(FIRST_SELECTION_LAYER + 1, num_layers)
     rule = at.selection_rule(tidal_policy(candidates[0], budget_tokens), num_layers)
-    truth_rule = at.selection_rule(tidal_policy(candidates[0], budget_tokens, 0), num_layers)
+    truth_rule = at.selection_rule(tidal_policy(candidates[0], budget_tokens, True), num_layers)
     sources = {
         r: at.selection_sources(tidal_policy(r, budget_tokens), num_layers) for r in candidates
     }
