@@ -17,7 +17,8 @@ on through the engine's own Lethe runtime, the first --positions-from tokens its
 step's query the prefill's; each measured step reads what each layer retains then
 (``sglang_ext.agreement.LetheReads``), and ``kv_kept_fraction`` is the share of the positions
 whose KV it still holds there. ``--variants tidal:sink_tokens=0`` measures a policy with other
-parameters beside its defaults, at each budget (``tidal[sink_tokens=0]-1024``).
+parameters beside its defaults, DELTA and Tidal at each budget (``tidal[sink_tokens=0]-1024``),
+Lethe once, with --lethe-threshold unless the variant sets it (``lethe[max_kv_ratio=0.9]``).
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ BENCH = "agreement"
 def variant(text: str) -> tuple[str, dict]:
     """``NAME:KEY=VALUE,...`` -> (policy name, parameters); values are JSON (numbers, lists)."""
     name, _, assignments = text.partition(":")
-    if name not in ("delta", "tidal") or not assignments:
-        raise argparse.ArgumentTypeError(f"expected delta:KEY=VALUE,... or tidal:..., got {text!r}")
+    if name not in ("delta", "tidal", "lethe") or not assignments:
+        raise argparse.ArgumentTypeError(
+            f"expected delta:KEY=VALUE,..., tidal:... or lethe:..., got {text!r}"
+        )
     params = {}
     for assignment in assignments.split(","):
         key, equals, value = assignment.partition("=")
@@ -67,19 +70,23 @@ def readers(args, num_layers: int, fingerprint: dict) -> dict[str, object]:
     defaults and as each of ``--variants`` changes them."""
     ctx = at.cpu_context(num_layers, fingerprint)
     out = {"full": ag.FullReads(), f"window-{args.window}": ag.WindowReads(args.window)}
-    configs = [(name, {}, name) for name in ("delta", "tidal")]
+    configs, lethe_configs = [(name, {}, name) for name in ("delta", "tidal")], {}
     for name, params in args.variants:
         changes = ",".join(f"{key}={json.dumps(value)}" for key, value in params.items())
-        configs.append((name, params, f"{name}[{changes}]"))
+        if name == "lethe":
+            lethe_configs[f"lethe[{changes}]"] = params
+        else:
+            configs.append((name, params, f"{name}[{changes}]"))
     for budget in args.budgets:
         for name, params, label in configs:
             config = {**policy_class(name).for_token_budget(budget), **params}
             policy = build_policy(name, config).for_model(ctx)
             out[f"{label}-{budget}"] = ag.SelectionReads(policy, num_layers)
     for ratio in args.lethe_ratios:
-        config = {"max_kv_ratio": ratio, "evict_threshold": args.lethe_threshold}
-        lethe = build_policy("lethe", config)
-        out[f"lethe-{ratio:g}"] = ag.LetheReads(lethe, num_layers, args.positions_from)
+        lethe_configs[f"lethe-{ratio:g}"] = {"max_kv_ratio": ratio}
+    for label, params in lethe_configs.items():
+        lethe = build_policy("lethe", {"evict_threshold": args.lethe_threshold, **params})
+        out[label] = ag.LetheReads(lethe, num_layers, args.positions_from)
     return out
 
 
@@ -97,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--variants", type=lambda text: [variant(part) for part in text.split(";") if part],
         default=[], help="';'-separated NAME:KEY=VALUE,... (e.g. tidal:sink_tokens=0): each "
-        "policy with those parameters, measured beside its defaults at each budget",
+        "policy with those parameters, measured beside its defaults (DELTA and Tidal at each "
+        "budget, Lethe once)",
     )  # fmt: skip
     return parser
 
