@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="save each policy's measurement here and report every policy saved here",
     )
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="measure nothing: report the policies saved under --partial-dir (a run split over "
+        "device calls, reported where its partials were brought back)",
+    )
     return parser
 
 
@@ -296,8 +302,27 @@ def saved_runs(args) -> list[PolicyRun]:
     return sorted(runs, key=lambda run: not harness.is_vanilla(run.policy))
 
 
+def saved_run_info(runs: list[PolicyRun]) -> RunInfo:
+    """The device, version and last date of the saved runs: the report names where they ran."""
+    devices = {(run.device, run.sglang_version) for run in runs}
+    if len(devices) != 1:
+        raise SystemExit(f"--report-only: saved runs from {sorted(devices)}, not one device")
+    [(device, sglang_version)] = devices
+    command = harness.RunInfo.detect().command
+    last = max(run.date for run in runs)
+    return RunInfo(device, sglang_version, "(not in the saved runs)", last, command)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.report_only:
+        if not args.partial_dir:
+            build_parser().error("--report-only needs --partial-dir")
+        runs = saved_runs(args)
+        if not runs:
+            build_parser().error(f"--report-only: no saved runs under {args.partial_dir}")
+        report(args, runs, saved_run_info(runs))
+        return
     if not all(harness.is_vanilla(policy) for policy in args.policies):
         harness.require_plugin_entry_point()
     vocab = harness.shape_config(args.shape)["vocab_size"]
@@ -313,6 +338,10 @@ def main(argv: list[str] | None = None) -> None:
         runs.append(run)
     if args.partial_dir:
         runs = saved_runs(args)
+    report(args, runs, info)
+
+
+def report(args, runs: list[PolicyRun], info: RunInfo) -> None:
     rows = [row for run in runs for row in run.rows(args)]
     rows += greedy_match_rows(info, args, runs)
     harness.add_baseline_ratios(rows)

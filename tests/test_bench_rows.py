@@ -48,6 +48,29 @@ def test_partial_runs_are_saved_under_plain_file_names_and_found_again(tmp_path)
     assert [run.policy for run in e2e.saved_runs(args)] == ["vanilla@fa3", "delta+art@flashinfer", "lethe"]
 
 
+def test_a_split_run_is_reported_from_its_saved_runs_under_the_device_they_ran_on(tmp_path):
+    partial = tmp_path / "partial"
+    argv = ["--shape", "qwen1.5b", "--partial-dir", str(partial), "--out-dir", str(tmp_path)]
+    args = e2e.build_parser().parse_args(argv)
+    partial.mkdir()
+    for policy, tok_s, date in (("vanilla@fa3", 100.0, "T1"), ("lethe", 150.0, "T2")):
+        run = e2e.PolicyRun(policy, "H100", "0.5.17", date, tok_s, 0, [], [[1]], "fa3")
+        run.save(e2e.partial_path(args, policy))
+    e2e.main([*argv, "--report-only", "--results-md", str(tmp_path / "R.md")])
+    section = (tmp_path / "R.md").read_text()
+    assert "## e2e · qwen1.5b · H100 · T2" in section
+    assert "| lethe | 64 | 1024 | e2e_output_tok_s | 150 | 100 (fa3) | 1.5 |" in section
+
+
+def test_report_only_refuses_saved_runs_of_two_devices(tmp_path):
+    argv = ["--shape", "qwen1.5b", "--partial-dir", str(tmp_path), "--out-dir", str(tmp_path)]
+    args = e2e.build_parser().parse_args(argv)
+    for policy, device in (("vanilla@fa3", "H100"), ("lethe", "H200")):
+        e2e.PolicyRun(policy, device, "0.5.17", "T", 1.0, 0, [], [], "fa3").save(e2e.partial_path(args, policy))
+    with pytest.raises(SystemExit, match="not one device"):
+        e2e.main([*argv, "--report-only"])
+
+
 def test_a_decode_steps_floor_reads_the_weights_once_and_each_attended_tokens_kv_once():
     result = {"weight_bytes": 3e9, "kv_bytes_per_token": 28672, "attended_tokens": {"32768": 4096.0}}
     floor = decode_step.floor_latency_s(result, 32, 32768, copy_bytes_per_s=2e12)
