@@ -7,7 +7,13 @@ scores at prefill, and a round that comes at the first decode step does not choo
 tokens any layer still keeps) passes its eviction threshold, a pruning round runs Algorithm 1 on
 every layer: sort the layer's scores, cut them into ``segments``, and find the breakpoint; keep the
 salient tokens before it, the ``sink_tokens`` first tokens and the most recent ``recent_ratio`` of
-the layer's retained tokens. A slot is freed once no layer keeps it. Rounds repeat as the request
+the layer's retained tokens. A slot is freed once no layer keeps it.
+
+Per-layer lists are off by default (``sparse_ratio`` None): no layer finds a breakpoint, so every
+layer reads the request's whole retained set and only the cap below evicts. On SmolLM2's real
+weights the per-layer lists doubled the next-token KL against full attention at the same memory
+(``benchmarks.agreement``, RESULTS.md), and the speed benchmarks' layers kept the whole set anyway
+(dummy weights have no breakpoint). ``sparse_ratio`` set turns the paper's per-layer rule on. Rounds repeat as the request
 grows; the threshold follows Algorithm 1.
 
 Memory: SGLang stores a token's K/V for all layers in one slot, so a slot is freed only when every
@@ -58,7 +64,8 @@ class Lethe(KVPolicy):
     request_opt_out = True
 
     evict_threshold: int = 1024  # initial L_evict: retained tokens that trigger the first round
-    sparse_ratio: float = 400.0  # tau: a score drop by more than this marks the breakpoint
+    # tau: a score drop by more than this marks a layer's breakpoint; None: no per-layer lists
+    sparse_ratio: float | None = None
     recent_ratio: float = 0.3  # fraction of a layer's retained tokens kept as the recent window
     sink_tokens: int = 4  # the first tokens, always kept
     segments: int = 10  # D: cut points of the sorted scores
@@ -70,8 +77,9 @@ class Lethe(KVPolicy):
     def validate(self) -> None:
         if self.evict_threshold < 1:
             self._error("evict_threshold", f"must be >= 1, got {self.evict_threshold}")
-        if not (math.isfinite(self.sparse_ratio) and self.sparse_ratio > 1):
-            self._error("sparse_ratio", f"must be a finite number > 1, got {self.sparse_ratio}")
+        ratio = self.sparse_ratio
+        if ratio is not None and not (math.isfinite(ratio) and ratio > 1):
+            self._error("sparse_ratio", f"must be a finite number > 1 or null, got {ratio}")
         if not 0 <= self.recent_ratio < 1:
             self._error("recent_ratio", f"must be in [0, 1), got {self.recent_ratio}")
         if self.sink_tokens < 0:
@@ -124,6 +132,8 @@ class Lethe(KVPolicy):
         recent = self.recent_window(n)
         keep = positions < self.sink_tokens
         keep[n - recent :] = True
+        if self.sparse_ratio is None:
+            return LayerShrink(torch.ones_like(keep), None)
         top_values, top_indices = torch.sort(scores, descending=True, stable=True)
         cuts = torch.tensor([n * d // self.segments for d in range(1, self.segments)])
         cuts = cuts[(cuts > 0) & (cuts < n)].to(scores.device)
@@ -153,7 +163,10 @@ class Lethe(KVPolicy):
         cuts = torch.tensor(cut_lists, device=device).view(layers, self.segments - 1)
         real_cut = (cuts > 0) & (cuts < count[:, None])
         at_cut = ranked.gather(1, cuts.clamp(max=max(n - 1, 0))) if n else ranked[:, :0]
-        dropped = real_cut & (ranked[:, :1] > self.sparse_ratio * at_cut) if n else real_cut
+        if self.sparse_ratio is None or not n:
+            dropped = torch.zeros_like(real_cut)
+        else:
+            dropped = real_cut & (ranked[:, :1] > self.sparse_ratio * at_cut)
         found = dropped.any(1)
         breakpoint = cuts.gather(1, dropped.int().argmax(1, keepdim=True)).squeeze(1)
         salient = torch.zeros_like(valid).scatter_(1, order, column < breakpoint[:, None])

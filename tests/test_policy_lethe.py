@@ -20,9 +20,24 @@ def test_out_of_range_parameters_name_the_field(field, value):
     assert error.value.field == f"lethe.{field}"
 
 
-def test_defaults_are_the_papers():
+def test_defaults_read_the_requests_retained_set_in_every_layer():
     policy = build_policy("lethe")
-    assert (policy.sparse_ratio, policy.recent_ratio) == (400.0, 0.3)
+    assert (policy.sparse_ratio, policy.recent_ratio) == (None, 0.3)
+    assert build_policy("lethe", {"sparse_ratio": 400}).sparse_ratio == 400  # the paper's rule
+
+
+def test_without_a_sparse_ratio_no_layer_finds_a_breakpoint_and_only_the_cap_evicts():
+    policy = Lethe(sink_tokens=2, max_kv_ratio=0.3)
+    counts = [100, 60]
+    positions = torch.arange(100, dtype=torch.int32).repeat(2, 1)
+    scores = torch.rand(2, 100, generator=torch.Generator().manual_seed(0)) ** 12  # peaked
+    keep, found, _ = policy.shrink_layers(positions, scores, counts)
+    assert not found.any() and keep[0].all() and keep[1, :60].all() and not keep[1, 60:].any()
+    assert policy.shrink_layer(positions[0], scores[0]).salient_plus_recent is None
+    union = policy.cap_union_layers(positions, scores, keep, 100)
+    assert int(union.sum()) == policy.round_cap(100) and union[:2].all() and union[-1]
+    with_rule = Lethe(sparse_ratio=400.0, sink_tokens=2, max_kv_ratio=0.3)
+    assert with_rule.shrink_layers(positions, scores, counts)[1].all()  # the paper's rule cuts
 
 
 def test_sparse_scores_keep_salient_sink_and_recent_tokens():
@@ -43,7 +58,7 @@ def test_sparse_scores_keep_salient_sink_and_recent_tokens():
 
 
 def test_flat_scores_have_no_breakpoint_and_keep_everything():
-    policy = Lethe()
+    policy = Lethe(sparse_ratio=400.0)
     positions = torch.arange(50, dtype=torch.int32)
     shrink = policy.shrink_layer(positions, torch.rand(50) + 1.0)
     assert bool(shrink.keep.all()) and shrink.salient_plus_recent is None
@@ -51,8 +66,9 @@ def test_flat_scores_have_no_breakpoint_and_keep_everything():
 
 def test_threshold_follows_algorithm_1_and_never_refires_at_once():
     policy = Lethe(evict_threshold=100, recent_ratio=0.3, max_kv_ratio=1.0)
-    found = Lethe().shrink_layer(torch.arange(4), torch.tensor([1.0, 1e-5, 1e-5, 1e-5]))
-    none = Lethe().shrink_layer(torch.arange(4), torch.ones(4))
+    paper = Lethe(sparse_ratio=400.0)
+    found = paper.shrink_layer(torch.arange(4), torch.tensor([1.0, 1e-5, 1e-5, 1e-5]))
+    none = paper.shrink_layer(torch.arange(4), torch.ones(4))
     assert policy.next_threshold(100, [none, none], retained=20, length=101) == 200  # doubled
     assert policy.next_threshold(100, [found, none], retained=20, length=101) == 100  # max(L, bp + r)
     # what the round left (150) plus its recent window (45)
