@@ -11,10 +11,10 @@ the layer's retained tokens. A slot is freed once no layer keeps it.
 
 Per-layer lists are off by default (``sparse_ratio`` None): no layer finds a breakpoint, so every
 layer reads the request's whole retained set and only the cap below evicts. On SmolLM2's real
-weights the per-layer lists raised the next-token KL against full attention 1.3–1.7× at equal memory
-(``benchmarks.agreement``, RESULTS.md), and the speed benchmarks' layers kept the whole set anyway
-(dummy weights have no breakpoint). ``sparse_ratio`` set turns the paper's per-layer rule on. Rounds repeat as the request
-grows; the threshold follows Algorithm 1.
+weights the per-layer lists raised the next-token KL against full attention 1.3–1.7× at equal
+memory (``benchmarks.agreement``, RESULTS.md), and the speed benchmarks' layers kept the whole set
+anyway (dummy weights have no breakpoint). ``sparse_ratio`` set turns the paper's rule on. Rounds
+repeat as the request grows; the threshold follows Algorithm 1.
 
 Memory: SGLang stores a token's K/V for all layers in one slot, so a slot is freed only when every
 layer drops the token. Layers whose attention is flat find no breakpoint and keep everything (on
@@ -129,11 +129,11 @@ class Lethe(KVPolicy):
         n = positions.numel()
         if n == 0:  # a layer that holds nothing (yet) keeps nothing
             return LayerShrink(torch.zeros(0, dtype=torch.bool, device=positions.device), None)
+        if self.sparse_ratio is None:  # no per-layer lists: the layer keeps its whole set
+            return LayerShrink(torch.ones(n, dtype=torch.bool, device=positions.device), None)
         recent = self.recent_window(n)
         keep = positions < self.sink_tokens
         keep[n - recent :] = True
-        if self.sparse_ratio is None:
-            return LayerShrink(torch.ones_like(keep), None)
         top_values, top_indices = torch.sort(scores, descending=True, stable=True)
         cuts = torch.tensor([n * d // self.segments for d in range(1, self.segments)])
         cuts = cuts[(cuts > 0) & (cuts < n)].to(scores.device)
@@ -153,8 +153,10 @@ class Lethe(KVPolicy):
         device = scores.device
         column = torch.arange(n, device=device)
         count = torch.tensor(counts, device=device)
-        recent = torch.tensor([self.recent_window(c) for c in counts], device=device)
         valid = column < count[:, None]
+        if self.sparse_ratio is None:  # no per-layer lists: every layer keeps its whole set
+            return valid, torch.zeros(layers, dtype=torch.bool, device=device), count
+        recent = torch.tensor([self.recent_window(c) for c in counts], device=device)
         keep = valid & ((positions < self.sink_tokens) | (column >= (count - recent)[:, None]))
         ranked, order = torch.sort(
             torch.where(valid, scores, float("-inf")), dim=1, descending=True, stable=True
@@ -163,10 +165,7 @@ class Lethe(KVPolicy):
         cuts = torch.tensor(cut_lists, device=device).view(layers, self.segments - 1)
         real_cut = (cuts > 0) & (cuts < count[:, None])
         at_cut = ranked.gather(1, cuts.clamp(max=max(n - 1, 0))) if n else ranked[:, :0]
-        if self.sparse_ratio is None or not n:
-            dropped = torch.zeros_like(real_cut)
-        else:
-            dropped = real_cut & (ranked[:, :1] > self.sparse_ratio * at_cut)
+        dropped = real_cut & (ranked[:, :1] > self.sparse_ratio * at_cut) if n else real_cut
         found = dropped.any(1)
         breakpoint = cuts.gather(1, dropped.int().argmax(1, keepdim=True)).squeeze(1)
         salient = torch.zeros_like(valid).scatter_(1, order, column < breakpoint[:, None])
