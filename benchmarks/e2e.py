@@ -49,6 +49,9 @@ RETRACTED_LOG = re.compile(r"Retract requests\. #retracted_reqs: (\d+)")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = harness.common_parser(BENCH, __doc__)
+    parser.add_argument(
+        "--dp", type=int, default=1, help="data-parallel workers (SGLang's --dp-size) of --tp GPUs"
+    )
     parser.add_argument("--requests", type=int, default=64, help="sent at once")
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=1024)
@@ -89,7 +92,9 @@ def server_argv(args: argparse.Namespace, policy: str, port: int) -> list[str]:
         "--host", "127.0.0.1",
         "--port", str(port),
         "--load-snapshot-publish-interval", str(args.kv_publish_steps),
-        *harness.engine_flags(args.max_total_tokens, args.tp, args.context_length, backend),
+        *harness.engine_flags(
+            args.max_total_tokens, args.tp, args.context_length, backend, dp=args.dp
+        ),
     ]  # fmt: skip
     if name == harness.VANILLA:
         return [sys.executable, "-m", "sglang.launch_server", *flags]
@@ -210,6 +215,26 @@ def greedy_match_rows(info: RunInfo, args, runs: list[PolicyRun]) -> list[Row]:
         )
         for run in runs
         if (reference := vanilla.get(run.attention_backend))
+    ]  # fmt: skip
+
+
+def single_gpu_match_rows(info: RunInfo, args, runs: list[PolicyRun]) -> list[Row]:
+    """Under --tp or --dp: the fraction of the greedy check's requests whose tokens equal those
+    of the same policy on one GPU, saved under --partial-dir by a run of the same sizes. Vanilla's
+    own fraction is the floor: tensor parallelism sums the layers' outputs in another order."""
+    if not args.partial_dir or (args.tp, args.dp) == (1, 1):
+        return []
+    one_gpu = argparse.Namespace(**{**vars(args), "tp": 1, "dp": 1})
+    single = {run.policy: run.greedy for run in saved_runs(one_gpu)}
+    return [
+        info.row(
+            bench=BENCH, policy=run.policy, model_shape=args.shape, batch=1, context=args.input_len,
+            metric=f"greedy_{GREEDY_CHECK_TOKENS}_tokens_identical_to_one_gpu_frac",
+            value=sum(a == b for a, b in zip(run.greedy, reference)) / len(reference),
+            attention_backend=run.attention_backend, kv_source="real",
+        )
+        for run in runs
+        if (reference := single.get(run.policy))
     ]  # fmt: skip
 
 
@@ -343,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def report(args, runs: list[PolicyRun], info: RunInfo) -> None:
     rows = [row for run in runs for row in run.rows(args)]
-    rows += greedy_match_rows(info, args, runs)
+    rows += greedy_match_rows(info, args, runs) + single_gpu_match_rows(info, args, runs)
     harness.add_baseline_ratios(rows)
     json_path = harness.save_results(
         BENCH, harness.run_label(args), rows, info, args.out_dir, args.results_md

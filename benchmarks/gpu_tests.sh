@@ -4,6 +4,7 @@
 # then the engine on CUDA with SmolLM2's real weights (tests/test_engine_gpu.py).
 #   PYTHONPATH=/tmp/site:/tmp/ext bash benchmarks/gpu_tests.sh
 #   bash benchmarks/gpu_tests.sh kernels|engine   (one half per call: each stays under a call's limit)
+#   bash benchmarks/gpu_tests.sh parallel   (2 GPUs: --tp-size 2 and --dp-size 2 servers; skipped on 1)
 # On a fresh host run `kernels` first: it JIT-compiles FlashInfer's top-k once (about 2 min); the
 # engine half's six servers compiling it side by side on a cold host took longer than a call's 10 min.
 # Give the engine half a call's whole 10 min: on 2026-11-25 it had not finished in 7 min (no result).
@@ -15,8 +16,9 @@ kernels=(tests/test_kernels_*.py tests/test_policy_*.py tests/test_lethe_runtime
 case "${1:-all}" in
   kernels) tests=("${kernels[@]}") ;;
   engine) tests=(tests/test_engine_gpu.py) ;;
-  all) tests=("${kernels[@]}" tests/test_engine_gpu.py) ;;
-  *) echo "usage: $0 [kernels|engine|all]" >&2; exit 2 ;;
+  parallel) tests=(tests/test_engine_gpu_parallel.py) ;;
+  all) tests=("${kernels[@]}" tests/test_engine_gpu.py tests/test_engine_gpu_parallel.py) ;;
+  *) echo "usage: $0 [kernels|engine|parallel|all]" >&2; exit 2 ;;
 esac
 "${PYTHON:-python3}" -m pytest -q -ra -p no:cacheprovider --basetemp "${OUT:-/tmp}/pytest${1:+-$1}" \
   --junitxml "${OUT:-/tmp}/gpu-tests${1:+-$1}.xml" "${tests[@]}"

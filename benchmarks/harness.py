@@ -170,8 +170,10 @@ def trace_parser(
 
 
 def run_label(args: argparse.Namespace) -> str:
-    """The shape, and the tensor-parallel size when there is one: names a run's result files."""
-    return args.shape if args.tp == 1 else f"{args.shape}-tp{args.tp}"
+    """The shape, and the tensor- and data-parallel sizes where over 1 (``--dp`` where the
+    benchmark has it): names a run's result files."""
+    sizes = (("tp", args.tp), ("dp", getattr(args, "dp", 1)))
+    return args.shape + "".join(f"-{name}{size}" for name, size in sizes if size > 1)
 
 
 def int_list(text: str) -> list[int]:
@@ -208,7 +210,7 @@ def policy_budget(name: str, config: str | None) -> str:
 
 def engine_flags(
     max_total_tokens: int | None, tp: int = 1, context_length: int | None = None,
-    attention_backend: str | None = None,
+    attention_backend: str | None = None, dp: int = 1,
 ) -> list[str]:
     """SGLang flags for this host, shared by vanilla and policy runs so both see the same engine.
 
@@ -225,6 +227,8 @@ def engine_flags(
         flags += ["--max-total-tokens", str(max_total_tokens)]
     if tp > 1:
         flags += ["--tp-size", str(tp)]
+    if dp > 1:  # SGLang's data-parallel controller: dp workers of tp GPUs each
+        flags += ["--dp-size", str(dp)]
     if context_length:
         flags += ["--context-length", str(context_length)]
     return flags

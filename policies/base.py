@@ -26,6 +26,32 @@ DecodeFn = Callable[..., Any]
 
 
 @dataclasses.dataclass(frozen=True)
+class RankGroup:
+    """The attention tensor-parallel ranks of this process's model, each holding some of the query
+    heads. A policy whose decision reads scores over all heads combines them here, so that every
+    rank decides alike; every rank must call the same combinations in the same order."""
+
+    rank: int
+    size: int
+    # x -> [size, *x.shape]: every rank's x, in rank order (SGLang's group all-gather; CUDA graphs
+    # capture it)
+    gather: Callable[[torch.Tensor], torch.Tensor]
+
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gather(x).amax(0)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Summed in rank order on every rank, so every rank gets the same bits."""
+        return self.gather(x).sum(0)
+
+    def agree(self, x: torch.Tensor, what: str) -> None:
+        """Raise when the ranks hold different ``x`` (a host sync: for rare decisions)."""
+        gathered = self.gather(x)
+        if not bool((gathered == gathered[:1]).all()):
+            raise RuntimeError(f"sglang_ext: tensor-parallel ranks disagree on {what}")
+
+
+@dataclasses.dataclass(frozen=True)
 class DecodeContext:
     """What the attention backend gives a policy at start-up to build its decode functions."""
 
@@ -37,8 +63,7 @@ class DecodeContext:
     max_batch_size: int  # no decode batch is larger: per-batch state is allocated once this size
     device: Any  # torch.device of the KV cache
     model_fingerprint: dict[str, Any] | None = None  # policies.calibration.model_fingerprint
-    # Under tensor parallelism: x -> elementwise max of x over the ranks (each holds some heads)
-    max_across_ranks: Callable[[Any], Any] | None = None
+    ranks: RankGroup | None = None  # under attention tensor parallelism; None on one rank
     # ART (policies.art.Art) when it reads for this policy (BASE+art): sparse layers read their
     # selection through it, importance-first
     art: Any = None

@@ -105,8 +105,6 @@ class Lethe(KVPolicy):
     def runtime(self, ctx: DecodeContext):
         from sglang_ext.eviction import LetheRuntime
 
-        if ctx.max_across_ranks is not None:
-            self._error("name", "lethe does not run under attention tensor parallelism yet")
         return LetheRuntime(self, ctx)
 
     def budget(self) -> str:

@@ -211,15 +211,15 @@ class SelectionDecoder:
             self.row_budget = torch.zeros(ctx.max_batch_size, device=ctx.device)
             ctx.decode_step_setups.append(self._gather_row_budgets)
         self._first_trim_unlogged = True
-        if ctx.max_across_ranks is not None:
+        if ctx.ranks is not None:
             logger.info("sglang_ext: %s selection scores are combined across ranks", policy_name)
 
     def select_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         q, cache = self._begin(q, k, v, layer, forward_batch, save_kv_cache)
         out, token_scores, page_scores = self.rule.attend_and_score(*cache, sm_scale=layer.scaling)
-        if self.ctx.max_across_ranks is not None:
+        if self.ctx.ranks is not None:
             # Each rank scored its own heads; the max over all heads makes every rank select alike.
-            token_scores, page_scores = self.ctx.max_across_ranks(token_scores), None
+            token_scores, page_scores = self.ctx.ranks.max(token_scores), None
         batch = q.shape[0]
         row_budget = None if self.row_budget is None else self.row_budget[:batch]
         self.rule.choose(

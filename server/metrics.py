@@ -5,9 +5,14 @@ HTTP server's ``/metrics`` with SGLang's.
 
 Observed once per decode batch in the scheduler process, from host data it already has (no
 device sync), after the step (``sglang_ext.engine.steps``): each request's
-``PolicyRuntime.report``, the same the per-request report gets, and the runtime's stats. ART's tile counts are accumulated by
-its kernel on the device and copied back without waiting (``DeviceCounts``), so they lag a step
-or so.
+``PolicyRuntime.report``, the same the per-request report gets, and the runtime's stats. ART's
+tile counts are accumulated by its kernel on the device and copied back without waiting
+(``DeviceCounts``), so they lag a step or so.
+
+Under parallelism the series carry SGLang's own labels, ``tp_rank`` and (data parallelism)
+``dp_rank``: each data-parallel worker reports its requests; within a worker the first
+attention-TP rank reports them, as SGLang's metrics do (every rank decides alike), and every rank
+counts the ART tiles of its own heads (sum over ``tp_rank`` for all of them).
 """
 
 from __future__ import annotations
@@ -74,11 +79,24 @@ class ArtMetrics:
             self.skipped_ratio.set(1.0 - read / available)
 
 
+@dataclasses.dataclass(frozen=True)
+class Worker:
+    """The scheduler process that observes: its ranks (SGLang's metric labels), and whether it
+    reports the requests or only its own ART tiles."""
+
+    tp_rank: int = 0
+    dp_rank: int | None = None
+    reports_requests: bool = True
+
+    def labels(self, policy_name: str) -> dict[str, str]:
+        labels = {"policy": policy_name, "tp_rank": str(self.tp_rank)}
+        return labels if self.dp_rank is None else {**labels, "dp_rank": str(self.dp_rank)}
+
+
 class PolicyMetrics:
-    def __init__(self, policy_name: str, art_tile_counts: torch.Tensor | None = None):
+    def __init__(self, labels: dict[str, str]):
         from prometheus_client import Counter, Gauge, Histogram
 
-        labels = {"policy": policy_name}
         gauge = dict(labelnames=list(labels), multiprocess_mode="mostrecent")
         self.retained = Gauge(f"{PREFIX}retained_kv_tokens",
                               "KV tokens the running requests hold (after eviction)", **gauge).labels(**labels)
@@ -97,7 +115,6 @@ class PolicyMetrics:
                                   "host time of the policy per decode batch (eviction rounds, bookkeeping)",
                                   list(labels), buckets=_SECOND_BUCKETS).labels(**labels)  # fmt: skip
         self._seen = RuntimeStats()
-        self.art = ArtMetrics(labels, art_tile_counts) if art_tile_counts is not None else None
 
     def observe_decode(
         self, runtime: PolicyRuntime, step: list[StepRequest], reports: list[RequestReport]
@@ -116,19 +133,24 @@ class PolicyMetrics:
         self.relieved.inc(stats.relief_slots - self._seen.relief_slots)
         self.overhead.observe(stats.seconds - self._seen.seconds + time.perf_counter() - started)
         self._seen = dataclasses.replace(stats)
-        if self.art is not None:
-            self.art.observe()
 
 
-_metrics: PolicyMetrics | None = None
+_metrics: tuple[PolicyMetrics | None, ArtMetrics | None] | None = None
 
 
 def observe_decode(
-    runtime: PolicyRuntime, step: list[StepRequest], reports: list[RequestReport]
+    runtime: PolicyRuntime, step: list[StepRequest], reports: list[RequestReport], worker: Worker
 ) -> None:
     """A decode batch of this process's runtime, with each request's report after the step (its
     metrics are made at the first)."""
     global _metrics
     if _metrics is None:
-        _metrics = PolicyMetrics(runtime.policy.name, runtime.tile_counts)
-    _metrics.observe_decode(runtime, step, reports)
+        labels = worker.labels(runtime.policy.name)
+        requests = PolicyMetrics(labels) if worker.reports_requests else None
+        tiles = runtime.tile_counts
+        _metrics = (requests, ArtMetrics(labels, tiles) if tiles is not None else None)
+    requests, art = _metrics
+    if requests is not None:
+        requests.observe_decode(runtime, step, reports)
+    if art is not None:
+        art.observe()

@@ -19,6 +19,11 @@ freed under this request.
 
 A round reads its request's lists back to the host (syncs), like SGLang's own retraction does;
 decode steps without a round stay free of host syncs and keep their CUDA graph.
+
+Tensor parallelism: each attention-TP rank scores its own query heads, so its ``scores`` are its
+share of the request's (prefill seeds are combined over the ranks and stored as a 1/size share).
+A round sums the ranks' shares first (``DecodeContext.ranks``): every rank then keeps and frees
+the same tokens, as one rank with all the heads would, and checks that it does.
 """
 
 from __future__ import annotations
@@ -199,7 +204,7 @@ class LetheRuntime(PolicyRuntime):
         window = self.policy.observation_window
         if window == 0 or forward_batch.extend_seq_lens_cpu is None:
             return
-        lid = layer.layer_id
+        lid, ranks = layer.layer_id, self.ctx.ranks
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         k_buffer = self.ctx.kv_pool.get_key_buffer(lid)
         start = 0
@@ -211,9 +216,11 @@ class LetheRuntime(PolicyRuntime):
             queries = q[start + extend_len - n : start + extend_len]
             start += extend_len
             slots = self.ctx.req_to_token[row, :seq_len].long()
-            self.scores[lid, row, :seq_len] = rasr.window_scores(
-                queries, k_buffer[slots], seq_len, layer.scaling, self.policy.observation_pool
-            )
+            seed = rasr.window_scores(
+                queries, k_buffer[slots], seq_len, layer.scaling, self.policy.observation_pool,
+                combine=ranks and ranks.sum,
+            )  # fmt: skip
+            self.scores[lid, row, :seq_len] = seed if ranks is None else seed / ranks.size
 
     def prune(self, request: StepRequest, length: int, engine: EngineOps) -> None:
         """One pruning round of a request over its first ``length`` positions: every layer at
@@ -226,8 +233,12 @@ class LetheRuntime(PolicyRuntime):
         counts = self.count[:, row].tolist()
         n = max(counts)
         positions, scores = self.positions[:, row, :n], self.scores[:, row, :n]
-        keep, found, salient_plus_recent = own.shrink_layers(positions, scores, counts)
-        kept_by_any = own.cap_union_layers(positions, scores, keep, length)
+        ranks = self.ctx.ranks
+        combined = scores if ranks is None else ranks.sum(scores)  # over every rank's heads
+        keep, found, salient_plus_recent = own.shrink_layers(positions, combined, counts)
+        kept_by_any = own.cap_union_layers(positions, combined, keep, length)
+        if ranks is not None:
+            ranks.agree(kept_by_any.to(torch.int32), f"the tokens {request.rid} keeps")
         stays = keep & kept_by_any[positions.long().clamp(max=length - 1)]
         order = torch.sort((~stays).to(torch.int8), dim=1, stable=True).indices  # kept first
         self.positions[:, row, :n] = positions.gather(1, order)

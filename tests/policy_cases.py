@@ -1,12 +1,14 @@
 """A small synthetic KV cache like SGLang's, for the decode functions of selection policies."""
 
 import copy
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
 import torch
 from sglang_ext.kernels.split_kv_decode import attend_positions_ref
-from sglang_ext.policies import DecodeContext
+from sglang_ext.policies import DecodeContext, RankGroup
 
 DEVICES = [
     "cpu",
@@ -50,7 +52,7 @@ class Cache:
         self.new_k = randn(len(seq_lens), self.KV_HEADS, self.DIM)
         self.new_v = randn(len(seq_lens), self.KV_HEADS, self.DIM)
 
-    def context(self, base_decode=None, fingerprint=None, max_across_ranks=None):
+    def context(self, base_decode=None, fingerprint=None, ranks=None):
         ctx = DecodeContext(
             num_layers=self.num_layers,
             base_decode=base_decode,
@@ -64,7 +66,7 @@ class Cache:
             num_q_heads=self.Q_HEADS,  # on CUDA the decoders own their scratch, as in the engine
             head_dim=self.DIM,
             model_fingerprint=fingerprint or {"architecture": "Tiny", "layers": self.num_layers},
-            max_across_ranks=max_across_ranks,
+            ranks=ranks,
         )
         self.contexts.append(ctx)
         return ctx
@@ -75,6 +77,7 @@ class Cache:
         kv_per_rank, q_per_rank = self.KV_HEADS // num_ranks, self.Q_HEADS // num_ranks
         view = copy.copy(self)
         view.contexts = []
+        view.req_to_token = self.req_to_token.clone()  # each rank's own (eviction writes holes)
         view.Q_HEADS, view.KV_HEADS = q_per_rank, kv_per_rank
         kv = slice(rank * kv_per_rank, (rank + 1) * kv_per_rank)
         view.keys = [k[:, kv].clone() for k in self.keys]
@@ -110,3 +113,29 @@ class Cache:
             )[0]
             for b, (row, n) in enumerate(rows)
         ]).view(len(q), -1).to(q.dtype)  # fmt: skip
+
+
+class ThreadRanks:
+    """Tensor-parallel ranks as threads of this process: a rank's gather hands its tensor to the
+    others through a barrier, as SGLang's group all-gather does across processes."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._slots: list = [None] * size
+        self._barrier = threading.Barrier(size, timeout=60)
+
+    def group(self, rank: int) -> RankGroup:
+        def gather(x):
+            self._slots[rank] = x.clone()
+            self._barrier.wait()
+            gathered = torch.stack(self._slots)
+            self._barrier.wait()  # nobody overwrites a slot before every rank has read it
+            return gathered
+
+        return RankGroup(rank, self.size, gather)
+
+    def run(self, work) -> list:
+        """``work(rank, group)`` on every rank at once; their results in rank order."""
+        with ThreadPoolExecutor(self.size) as pool:
+            futures = [pool.submit(work, rank, self.group(rank)) for rank in range(self.size)]
+            return [future.result() for future in futures]

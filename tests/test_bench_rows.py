@@ -62,6 +62,39 @@ def test_a_split_run_is_reported_from_its_saved_runs_under_the_device_they_ran_o
     assert "| lethe | 64 | 1024 | e2e_output_tok_s | 150 | 100 (fa3) | 1.5 |" in section
 
 
+def test_a_parallel_run_compares_each_policys_greedy_tokens_with_its_one_gpu_run(tmp_path):
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    base = ["--shape", "qwen1.5b", "--partial-dir", str(partial), "--out-dir", str(tmp_path)]
+    one_gpu, tp2 = (e2e.build_parser().parse_args(argv) for argv in (base, [*base, "--tp", "2"]))
+    for policy, greedy_one, greedy_tp2 in (
+        ("vanilla@fa3", [[1], [2]], [[1], [2]]),
+        ("lethe", [[3], [4]], [[3], [5]]),
+        ("delta", [[6]], None),  # not run in parallel
+    ):
+        e2e.PolicyRun(policy, "H100", "0.5.17", "T", 1.0, 0, [], greedy_one, "fa3").save(
+            e2e.partial_path(one_gpu, policy)
+        )
+        if greedy_tp2 is not None:
+            e2e.PolicyRun(policy, "H100", "0.5.17", "T", 1.0, 0, [], greedy_tp2, "fa3").save(
+                e2e.partial_path(tp2, policy)
+            )
+    assert [run.policy for run in e2e.saved_runs(tp2)] == ["vanilla@fa3", "lethe"]
+    info = e2e.RunInfo("H100", "0.5.17", "", "T", "")
+    rows = e2e.single_gpu_match_rows(info, tp2, e2e.saved_runs(tp2))
+    assert {row.policy: row.value for row in rows} == {"vanilla@fa3": 1.0, "lethe": 0.5}
+    assert not e2e.single_gpu_match_rows(info, one_gpu, e2e.saved_runs(one_gpu))
+
+
+def test_parallel_sizes_name_the_run_and_reach_the_engine():
+    args = e2e.build_parser().parse_args(["--shape", "qwen1.5b", "--tp", "2", "--dp", "2"])
+    assert harness.run_label(args) == "qwen1.5b-tp2-dp2"
+    argv = e2e.server_argv(args, "lethe", 1)
+    assert argv[argv.index("--tp-size") + 1] == "2" and argv[argv.index("--dp-size") + 1] == "2"
+    one_gpu = e2e.build_parser().parse_args(["--shape", "smol"])
+    assert "--dp-size" not in e2e.server_argv(one_gpu, "lethe", 1)
+
+
 def test_report_only_refuses_saved_runs_of_two_devices(tmp_path):
     argv = ["--shape", "qwen1.5b", "--partial-dir", str(tmp_path), "--out-dir", str(tmp_path)]
     args = e2e.build_parser().parse_args(argv)

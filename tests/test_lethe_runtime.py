@@ -4,11 +4,12 @@ accounting, admission sizes and the plan (the engine runs are in test_engine_let
 import dataclasses
 from types import SimpleNamespace
 
+import pytest
 import torch
-from policy_cases import Cache
+from policy_cases import Cache, ThreadRanks
 from sglang_ext.eviction import LetheRuntime
-from sglang_ext.policies import build_policy
-from sglang_ext.policies.runtime import EngineOps, StepRequest
+from sglang_ext.policies import RankGroup, build_policy
+from sglang_ext.policies.runtime import EngineOps, StepPlan, StepRequest
 
 HOLE = 0
 
@@ -141,3 +142,64 @@ def test_relieving_memory_prunes_requests_over_a_rounds_cap_now():
     assert freed == len(pool.freed) == big.state.evicted > 0
     assert big.seq_len - big.state.evicted <= runtime.policy.round_cap(big.seq_len)
     assert small.state.evicted == 0  # 5 tokens: a round keeps sink + 1 at least
+
+
+def prefill_then_round(cache, prefill_q, ranks=None, **params):
+    """A prefill of the cache's requests (observation windows seed the scores), one decode step,
+    then a round of the first request over all it holds. What each layer keeps, and the slots
+    freed."""
+    runtime = runtime_for(cache, observation_window=16, **params)
+    runtime.ctx = dataclasses.replace(runtime.ctx, ranks=ranks)
+    requests = [step(cache, runtime, i) for i in range(2)]
+    lens = cache.batch.seq_lens - 1
+    prefill = SimpleNamespace(
+        req_pool_indices=cache.batch.req_pool_indices, seq_lens=lens,
+        extend_seq_lens_cpu=lens.tolist(),
+    )  # fmt: skip
+    pool = Pool()
+    runtime.run_plan(StepPlan(False, requests), prefill, pool.ops())
+    for layer in range(cache.num_layers):
+        runtime.after_extend(prefill_q, cache.layer(layer), prefill)
+    runtime.prepare_decode(cache.batch)
+    for layer in range(cache.num_layers):
+        cache.decode(runtime.decode_fns[layer], layer)
+    first = requests[0]
+    runtime.prune(first, first.seq_len, pool.ops())
+    row = first.row
+    counts = runtime.count[:, row].tolist()
+    kept = [runtime.positions[layer, row, :n].tolist() for layer, n in enumerate(counts)]
+    return kept, sorted(pool.freed), runtime.scores[:, row].clone()
+
+
+@pytest.mark.parametrize("sparse_ratio", [None, 1.5])
+def test_tensor_parallel_ranks_free_what_one_rank_with_every_head_frees(sparse_ratio):
+    whole = Cache(num_layers=2, seq_lens=(200, 12))
+    views = [whole.rank_view(rank, num_ranks=2) for rank in range(2)]  # before the round's holes
+    tokens = 199 + 11
+    gen = torch.Generator().manual_seed(2)
+    prefill_q = torch.randn(tokens, whole.Q_HEADS * whole.DIM, generator=gen)
+    expected_kept, expected_freed, whole_scores = prefill_then_round(
+        whole, prefill_q, sparse_ratio=sparse_ratio
+    )
+    assert expected_freed
+
+    def on_rank(rank, group):
+        heads = prefill_q.view(tokens, whole.Q_HEADS, whole.DIM).chunk(2, dim=1)[rank]
+        q = heads.reshape(tokens, -1)
+        return prefill_then_round(views[rank], q, group, sparse_ratio=sparse_ratio)
+
+    results = ThreadRanks(2).run(on_rank)
+    for kept, freed, _ in results:
+        assert kept == expected_kept and freed == expected_freed
+    # each rank holds its own heads' share of the scores; the shares add up to all heads'
+    assert not torch.allclose(results[0][2], results[1][2])
+    torch.testing.assert_close(results[0][2] + results[1][2], whole_scores)
+
+
+def test_ranks_that_would_keep_different_tokens_stop_loudly():
+    def keep(rank, group):
+        group.agree(torch.tensor([1, rank]), "the tokens r0 keeps")
+
+    with pytest.raises(RuntimeError, match="ranks disagree on the tokens r0 keeps"):
+        ThreadRanks(2).run(keep)
+    RankGroup(0, 1, lambda x: x[None]).agree(torch.tensor([1, 0]), "one rank")  # agrees with itself

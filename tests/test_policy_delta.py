@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
-from policy_cases import DEVICES, Cache
-from sglang_ext.policies import PolicyConfigError, build_policy
+from policy_cases import DEVICES, Cache, ThreadRanks
+from sglang_ext.policies import PolicyConfigError, RankGroup, build_policy
 from sglang_ext.policies.calibration import CALIBRATION_DIR_ENV, FORMAT, _load_all
 from sglang_ext.policies.delta import LayerRole
 
@@ -195,21 +195,20 @@ def test_tensor_parallel_ranks_select_what_one_rank_with_every_head_selects(poli
 
     ranks = [whole.rank_view(rank, num_ranks=2) for rank in range(2)]
     local_scores, local_selections = [], []
-    for rank in ranks:  # alone: each rank's scores (what it all-gathers) and its own choice
-        fns = build_policy(policy, {**params, **layers}).decode_fns(
-            rank.context(max_across_ranks=lambda x: local_scores.append(x.clone()) or x)
-        )
+    for rank in ranks:  # alone: each rank's scores and its own choice
+        alone = RankGroup(0, 1, lambda x: local_scores.append(x.clone()) or x[None])
+        fns = build_policy(policy, {**params, **layers}).decode_fns(rank.context(ranks=alone))
         rank.decode(fns[2], 2)
         local_selections.append(fns[2].__self__.selected[:3].clone())
     assert any(not torch.equal(selection, expected) for selection in local_selections)
 
-    gathered_max = torch.maximum(*local_scores)
-    for rank in ranks:
-        fns = build_policy(policy, {**params, **layers}).decode_fns(
-            rank.context(max_across_ranks=lambda x: gathered_max)
-        )
-        rank.decode(fns[2], 2)
-        assert torch.equal(fns[2].__self__.selected[:3], expected)
+    def select(rank, group):
+        policy_of_rank = build_policy(policy, {**params, **layers})
+        fns = policy_of_rank.decode_fns(ranks[rank].context(ranks=group))
+        ranks[rank].decode(fns[2], 2)
+        return fns[2].__self__.selected[:3]
+
+    assert all(torch.equal(selected, expected) for selected in ThreadRanks(2).run(select))
 
 
 def test_attended_tokens_average_full_and_sparse_layers():

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from sglang_ext.engine.targets import EngineAdapterError
-from sglang_ext.policies import DecodeContext, KVPolicy
+from sglang_ext.policies import DecodeContext, KVPolicy, RankGroup
 from sglang_ext.policies.calibration import model_fingerprint
 from sglang_ext.policies.runtime import PolicyRuntime
 
@@ -73,7 +73,7 @@ class PolicyDispatchMixin:
             max_batch_size=self.req_to_token_pool.size,
             device=device,
             model_fingerprint=model_fingerprint(model_config.hf_config),
-            max_across_ranks=_max_across_attention_ranks(),
+            ranks=_attention_ranks(),
             request_values=self.request_values,
             art_tile_counts=self.art_tile_counts,
             hole_slot=HOLE_SLOT,
@@ -115,19 +115,19 @@ def _attention_tp_size() -> int:
     return get_attn_tp_group().world_size
 
 
-def _max_across_attention_ranks() -> Callable | None:
-    """Under attention tensor parallelism, x -> elementwise max of x over the ranks, each of which
-    holds some of the query heads. Through SGLang's group all-gather, which CUDA graphs capture."""
+def _attention_ranks() -> RankGroup | None:
+    """The attention tensor-parallel group, through SGLang's group all-gather (which CUDA graphs
+    capture); None on one rank."""
     from sglang.srt.distributed.parallel_state import get_attn_tp_group
 
     group = get_attn_tp_group()
     if group.world_size == 1:
         return None
 
-    def max_across_ranks(x: torch.Tensor) -> torch.Tensor:
-        return group.all_gather(x.contiguous(), dim=0).view(group.world_size, *x.shape).amax(0)
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        return group.all_gather(x.contiguous(), dim=0).view(group.world_size, *x.shape)
 
-    return max_across_ranks
+    return RankGroup(group.rank_in_group, group.world_size, gather)
 
 
 @functools.cache

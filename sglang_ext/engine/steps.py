@@ -63,8 +63,20 @@ def run_step(forward, model_runner, forward_batch, *args, **kwargs):
     if hasattr(logits, "customized_info"):
         logits.customized_info = {**(logits.customized_info or {}), **report.step_entries(reports)}
     if observe:
-        metrics.observe_decode(runtime, step.plan.requests, reports)
+        metrics.observe_decode(runtime, step.plan.requests, reports, metrics_worker(model_runner))
     return output
+
+
+_WORKER = "sglang_ext_worker"  # on a ModelRunner: its metrics.Worker, made once
+
+
+def metrics_worker(model_runner) -> metrics.Worker:
+    worker = getattr(model_runner, _WORKER, None)
+    if worker is None:
+        ranks = model_runner.ps  # SGLang's ParallelState of this scheduler process
+        worker = metrics.Worker(ranks.tp_rank, ranks.dp_rank, ranks.attn_tp_rank == 0)
+        setattr(model_runner, _WORKER, worker)
+    return worker
 
 
 def graph_fits(can_run_graph, graph_runner, forward_batch, *args, **kwargs):
