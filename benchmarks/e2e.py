@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--dp", type=int, default=1, help="data-parallel workers (SGLang's --dp-size) of --tp GPUs"
     )
     parser.add_argument("--requests", type=int, default=64, help="sent at once")
+    parser.add_argument(
+        "--cuda-graph-max-bs", type=int, default=None,
+        help="SGLang's: the largest decode batch its CUDA graphs capture (default: SGLang's)",
+    )  # fmt: skip
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=1024)
     parser.add_argument(
@@ -96,6 +100,8 @@ def server_argv(args: argparse.Namespace, policy: str, port: int) -> list[str]:
             args.max_total_tokens, args.tp, args.context_length, backend, dp=args.dp
         ),
     ]  # fmt: skip
+    if args.cuda_graph_max_bs:  # capturing fewer sizes starts a server sooner
+        flags += ["--cuda-graph-max-bs", str(args.cuda_graph_max_bs)]
     if name == harness.VANILLA:
         return [sys.executable, "-m", "sglang.launch_server", *flags]
     config = ["--policy-config", args.policy_config] if args.policy_config else []

@@ -27,7 +27,8 @@ input_len=${INPUT_LEN:-8192} output_len=${OUTPUT_LEN:-1024}
 "$python" -m benchmarks.e2e --shape qwen1.5b "${sizes[@]}" --policies "${POLICIES:-$default}" \
   --partial-dir "$partial" --out-dir "$out" --results-md "${results_md:-benchmarks/RESULTS.md}" \
   --log-dir "$logs" --requests "${REQUESTS:-32}" --input-len "$input_len" \
-  --output-len "$output_len" --context-length $((input_len + output_len + 1024))
+  --output-len "$output_len" --context-length $((input_len + output_len + 1024)) \
+  --cuda-graph-max-bs "${REQUESTS:-32}"
 if [[ -n "${OUT:-}" ]]; then
   mkdir -p "$OUT/partial" && cp "$partial"/*.json "$OUT/partial/"
   cp "$logs"/e2e-qwen1.5b-*.log "$OUT/" 2>/dev/null || true

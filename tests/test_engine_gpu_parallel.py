@@ -29,10 +29,13 @@ COMMON = [
 ]  # fmt: skip
 LETHE = {"evict_threshold": 256, "max_kv_ratio": 0.3}
 TP2, DP2 = ["--tp-size", "2"], ["--dp-size", "2"]
-CONFIGS = {  # name -> (policy, its config, flags beyond COMMON)
+# name -> (policy, its config, flags beyond COMMON). The data-parallel server starts first: its
+# workers' torch.distributed ports are picked free and released before they bind them, and
+# another server starting meanwhile could take one (EADDRINUSE, seen on the H100 host).
+CONFIGS = {
+    "lethe_dp2": ("lethe", LETHE, DP2),
     "lethe_tp2": ("lethe", LETHE, TP2),
     "art_tp2": ("art", None, TP2),
-    "lethe_dp2": ("lethe", LETHE, DP2),
 }
 ROUND_LOG = re.compile(r" (TP|DP)(\d)\] sglang_ext: lethe round \d+ of \S+: (.*)$", re.M)
 
