@@ -3,6 +3,7 @@ data-parallel controller (``--dp-size 2``), on qwen1.5b's shape with dummy weigh
 query heads do not split over 2 ranks), CUDA graphs on. Skipped with fewer than 2 GPUs; on the
 GPU machine ``benchmarks/gpu_tests.sh parallel`` runs it."""
 
+import os
 import random
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +38,9 @@ CONFIGS = {
     "lethe_tp2": ("lethe", LETHE, TP2),
     "art_tp2": ("art", None, TP2),
 }
+# GPU_PARALLEL_CONFIGS=lethe_tp2,art_tp2 starts only those (the others' tests are skipped)
+if os.environ.get("GPU_PARALLEL_CONFIGS"):
+    CONFIGS = {name: CONFIGS[name] for name in os.environ["GPU_PARALLEL_CONFIGS"].split(",")}
 ROUND_LOG = re.compile(r" (TP|DP)(\d)\] sglang_ext: lethe round \d+ of \S+: (.*)$", re.M)
 
 
@@ -95,8 +99,14 @@ def series(text: str, name: str) -> list[dict[str, str]]:
     ]
 
 
+def started(servers, name):
+    if name not in servers:
+        pytest.skip(f"{name} not started (GPU_PARALLEL_CONFIGS)")
+    return servers[name]
+
+
 def test_lethe_under_tensor_parallelism_frees_alike_on_both_ranks(servers):
-    server = servers["lethe_tp2"]
+    server = started(servers, "lethe_tp2")
     # one batch: four requests under Lethe, one that opted out to full attention
     outs = generate_all(server, prompts(5, 700), 300, kv_policies=[None] * 4 + [{"name": "full"}])
     for out in outs:
@@ -115,7 +125,7 @@ def test_lethe_under_tensor_parallelism_frees_alike_on_both_ranks(servers):
 
 
 def test_art_under_tensor_parallelism_counts_each_ranks_tiles(servers):
-    server = servers["art_tp2"]
+    server = started(servers, "art_tp2")
     generate_all(server, prompts(2, 3000), max_new_tokens=64)
     generate_all(server, prompts(1, 100), max_new_tokens=8)  # counts are copied back a step late
     text = server.metrics()
@@ -128,7 +138,7 @@ def test_art_under_tensor_parallelism_counts_each_ranks_tiles(servers):
 
 
 def test_data_parallel_workers_each_evict_and_report_their_own_requests(servers):
-    server = servers["lethe_dp2"]
+    server = started(servers, "lethe_dp2")
     outs = generate_all(server, prompts(8, 700, seed=2), max_new_tokens=300)
     assert all(out["meta_info"]["kv_evicted_tokens"][-1] > 0 for out in outs)
     workers = rounds_by_rank(server.log(), "DP")
