@@ -59,9 +59,12 @@ class EngineServer:
     def start(self) -> EngineServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         argv = list(self.argv)
-        if "--nccl-port" not in argv:
+        data_parallel = "--dp-size" in argv and argv[argv.index("--dp-size") + 1] != "1"
+        if "--nccl-port" not in argv and not data_parallel:
             # SGLang picks its torch.distributed port at start-up and binds it later; servers
             # starting together raced for the same one (EADDRINUSE). Hand it out like the HTTP port.
+            # Not under --dp-size: every data-parallel worker would take that one port (SGLang
+            # then reserves one per worker itself).
             argv += ["--nccl-port", str(free_port())]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(

@@ -30,9 +30,7 @@ COMMON = [
 ]  # fmt: skip
 LETHE = {"evict_threshold": 256, "max_kv_ratio": 0.3}
 TP2, DP2 = ["--tp-size", "2"], ["--dp-size", "2"]
-# name -> (policy, its config, flags beyond COMMON). The data-parallel server starts first: its
-# workers' torch.distributed ports are picked free and released before they bind them, and
-# another server starting meanwhile could take one (EADDRINUSE, seen on the H100 host).
+# name -> (policy, its config, flags beyond COMMON)
 CONFIGS = {
     "lethe_dp2": ("lethe", LETHE, DP2),
     "lethe_tp2": ("lethe", LETHE, TP2),
