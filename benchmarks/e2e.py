@@ -212,16 +212,8 @@ def greedy_match_rows(info: RunInfo, args, runs: list[PolicyRun]) -> list[Row]:
     """Fraction of the greedy check's requests whose tokens equal those of vanilla on the same
     attention backend exactly (backends round differently, so only that comparison is exact)."""
     vanilla = {r.attention_backend: r.greedy for r in runs if harness.is_vanilla(r.policy)}
-    return [
-        info.row(
-            bench=BENCH, policy=run.policy, model_shape=args.shape, batch=1, context=args.input_len,
-            metric=f"greedy_{GREEDY_CHECK_TOKENS}_tokens_identical_frac",
-            value=sum(a == b for a, b in zip(run.greedy, reference)) / len(reference),
-            attention_backend=run.attention_backend, kv_source="real",
-        )
-        for run in runs
-        if (reference := vanilla.get(run.attention_backend))
-    ]  # fmt: skip
+    references = {run.policy: vanilla.get(run.attention_backend) for run in runs}
+    return _match_rows(info, args, runs, references, "identical_frac")
 
 
 def single_gpu_match_rows(info: RunInfo, args, runs: list[PolicyRun]) -> list[Row]:
@@ -231,16 +223,21 @@ def single_gpu_match_rows(info: RunInfo, args, runs: list[PolicyRun]) -> list[Ro
     if not args.partial_dir or (args.tp, args.dp) == (1, 1):
         return []
     one_gpu = argparse.Namespace(**{**vars(args), "tp": 1, "dp": 1})
-    single = {run.policy: run.greedy for run in saved_runs(one_gpu)}
+    references = {run.policy: run.greedy for run in saved_runs(one_gpu)}
+    return _match_rows(info, args, runs, references, "identical_to_one_gpu_frac")
+
+
+def _match_rows(info: RunInfo, args, runs: list[PolicyRun], references: dict, what: str):
+    """A row per run with a reference: the fraction of its greedy outputs equal to it."""
     return [
         info.row(
             bench=BENCH, policy=run.policy, model_shape=args.shape, batch=1, context=args.input_len,
-            metric=f"greedy_{GREEDY_CHECK_TOKENS}_tokens_identical_to_one_gpu_frac",
+            metric=f"greedy_{GREEDY_CHECK_TOKENS}_tokens_{what}",
             value=sum(a == b for a, b in zip(run.greedy, reference)) / len(reference),
             attention_backend=run.attention_backend, kv_source="real",
         )
         for run in runs
-        if (reference := single.get(run.policy))
+        if (reference := references.get(run.policy))
     ]  # fmt: skip
 
 
