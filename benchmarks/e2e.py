@@ -217,23 +217,43 @@ def greedy_match_rows(info: RunInfo, args, runs: list[PolicyRun]) -> list[Row]:
 
 
 def single_gpu_match_rows(info: RunInfo, args, runs: list[PolicyRun]) -> list[Row]:
-    """Under --tp or --dp: the fraction of the greedy check's requests whose tokens equal those
-    of the same policy on one GPU, saved under --partial-dir by a run of the same sizes. Vanilla's
-    own fraction is the floor: tensor parallelism sums the layers' outputs in another order."""
+    """Under --tp or --dp: against the same policy on one GPU (saved under --partial-dir by a run
+    of the same sizes), the fraction of the greedy check's requests whose tokens are all equal,
+    and how many first tokens are equal on average. Vanilla's own values are the floor: tensor
+    parallelism sums the layers' outputs in another order (on dummy weights, 2026-11-25, no
+    request kept all 64 tokens)."""
     if not args.partial_dir or (args.tp, args.dp) == (1, 1):
         return []
     one_gpu = argparse.Namespace(**{**vars(args), "tp": 1, "dp": 1})
     references = {run.policy: run.greedy for run in saved_runs(one_gpu)}
-    return _match_rows(info, args, runs, references, "identical_to_one_gpu_frac")
+    return _match_rows(info, args, runs, references, "identical_to_one_gpu_frac") + _match_rows(
+        info, args, runs, references, "common_prefix_with_one_gpu", _mean_common_prefix
+    )  # fmt: skip
 
 
-def _match_rows(info: RunInfo, args, runs: list[PolicyRun], references: dict, what: str):
-    """A row per run with a reference: the fraction of its greedy outputs equal to it."""
+def _identical_fraction(outputs: list[list[int]], reference: list[list[int]]) -> float:
+    return sum(a == b for a, b in zip(outputs, reference)) / len(reference)
+
+
+def _mean_common_prefix(outputs: list[list[int]], reference: list[list[int]]) -> float:
+    """Mean over requests of how many first tokens the two outputs share."""
+    lengths = [
+        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        for a, b in zip(outputs, reference)
+    ]
+    return sum(lengths) / len(reference)
+
+
+def _match_rows(
+    info: RunInfo, args, runs: list[PolicyRun], references: dict, what: str,
+    measure=_identical_fraction,
+) -> list[Row]:
+    """A row per run with a reference: ``measure`` of its greedy outputs against it."""
     return [
         info.row(
             bench=BENCH, policy=run.policy, model_shape=args.shape, batch=1, context=args.input_len,
             metric=f"greedy_{GREEDY_CHECK_TOKENS}_tokens_{what}",
-            value=sum(a == b for a, b in zip(run.greedy, reference)) / len(reference),
+            value=measure(run.greedy, reference),
             attention_backend=run.attention_backend, kv_source="real",
         )
         for run in runs

@@ -69,7 +69,7 @@ def test_a_parallel_run_compares_each_policys_greedy_tokens_with_its_one_gpu_run
     one_gpu, tp2 = (e2e.build_parser().parse_args(argv) for argv in (base, [*base, "--tp", "2"]))
     for policy, greedy_one, greedy_tp2 in (
         ("vanilla@fa3", [[1], [2]], [[1], [2]]),
-        ("lethe", [[3], [4]], [[3], [5]]),
+        ("lethe", [[3, 1, 2], [4, 4]], [[3, 1, 9], [4, 4]]),
         ("delta", [[6]], None),  # not run in parallel
     ):
         e2e.PolicyRun(policy, "H100", "0.5.17", "T", 1.0, 0, [], greedy_one, "fa3").save(
@@ -82,7 +82,13 @@ def test_a_parallel_run_compares_each_policys_greedy_tokens_with_its_one_gpu_run
     assert [run.policy for run in e2e.saved_runs(tp2)] == ["vanilla@fa3", "lethe"]
     info = e2e.RunInfo("H100", "0.5.17", "", "T", "")
     rows = e2e.single_gpu_match_rows(info, tp2, e2e.saved_runs(tp2))
-    assert {row.policy: row.value for row in rows} == {"vanilla@fa3": 1.0, "lethe": 0.5}
+    by_metric = {(row.metric, row.policy): row.value for row in rows}
+    identical = "greedy_64_tokens_identical_to_one_gpu_frac"
+    prefix = "greedy_64_tokens_common_prefix_with_one_gpu"
+    assert by_metric == {
+        (identical, "vanilla@fa3"): 1.0, (identical, "lethe"): 0.5,
+        (prefix, "vanilla@fa3"): 1.0, (prefix, "lethe"): 2.0,  # 2 of [3, 1, 2], both of [4, 4]
+    }  # fmt: skip
     assert not e2e.single_gpu_match_rows(info, one_gpu, e2e.saved_runs(one_gpu))
 
 
