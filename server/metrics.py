@@ -84,9 +84,9 @@ class Worker:
     """The scheduler process that observes: its ranks (SGLang's metric labels), and whether it
     reports the requests or only its own ART tiles."""
 
-    tp_rank: int = 0
-    dp_rank: int | None = None
-    reports_requests: bool = True
+    tp_rank: int
+    dp_rank: int | None  # None without SGLang's data-parallel controller
+    reports_requests: bool
 
     def labels(self, policy_name: str) -> dict[str, str]:
         labels = {"policy": policy_name, "tp_rank": str(self.tp_rank)}

@@ -16,6 +16,7 @@ from pathlib import Path
 import requests
 
 from sglang_ext.config import POLICY_ENV
+from sglang_ext.launch import flag_value
 from sglang_ext.platform import cpu
 
 
@@ -59,7 +60,9 @@ class EngineServer:
     def start(self) -> EngineServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         argv = list(self.argv)
-        data_parallel = "--dp-size" in argv and argv[argv.index("--dp-size") + 1] != "1"
+        data_parallel = any(
+            flag_value(argv, flag, "1") != "1" for flag in ("--dp-size", "--data-parallel-size")
+        )
         if "--nccl-port" not in argv and not data_parallel:
             # SGLang picks its torch.distributed port at start-up and binds it later; servers
             # starting together raced for the same one (EADDRINUSE). Hand it out like the HTTP port.

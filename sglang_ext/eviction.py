@@ -218,7 +218,7 @@ class LetheRuntime(PolicyRuntime):
             slots = self.ctx.req_to_token[row, :seq_len].long()
             seed = rasr.window_scores(
                 queries, k_buffer[slots], seq_len, layer.scaling, self.policy.observation_pool,
-                combine=ranks and ranks.sum,
+                combine=None if ranks is None else ranks.sum,
             )  # fmt: skip
             self.scores[lid, row, :seq_len] = seed if ranks is None else seed / ranks.size
 
