@@ -5,8 +5,9 @@
 #   PYTHONPATH=/tmp/site:/tmp/ext bash benchmarks/gpu_tests.sh
 #   bash benchmarks/gpu_tests.sh kernels|engine   (one half per call: each stays under a call's limit)
 #   bash benchmarks/gpu_tests.sh parallel   (2 GPUs: --tp-size 2 and --dp-size 2 servers; skipped on 1)
-# On a fresh host run `kernels` first: it JIT-compiles FlashInfer's top-k once (about 2 min); the
-# engine half's six servers compiling it side by side on a cold host took longer than a call's 10 min.
+# On a fresh host run `kernels` first: it JIT-compiles FlashInfer's top-k once (about 2 min), and
+# its sampling kernels, which every policy server builds at start-up; the engine half's six
+# servers compiling them side by side on a cold host took longer than a call's 10 min.
 # Give the engine half a call's whole 10 min: on 2026-11-25 it had not finished in 7 min (no result).
 # JUnit XML goes to ${OUT:-/tmp}/gpu-tests[-PART].xml, the servers' logs under ${OUT:-/tmp}/pytest[-PART].
 set -euo pipefail
@@ -14,7 +15,8 @@ source benchmarks/gpu_smol_model.sh
 # the installed sglang_ext (its plugin entry point) wins over the checkout; tests/ from the checkout
 kernels=(tests/test_kernels_*.py tests/test_policy_*.py tests/test_lethe_runtime.py)
 case "${1:-all}" in
-  kernels) tests=("${kernels[@]}") ;;
+  kernels) tests=("${kernels[@]}")
+    "${PYTHON:-python3}" -c "from sglang_ext.engine import kernel_warmup as k; k.build_sampling_kernels('flashinfer')" ;;
   engine) tests=(tests/test_engine_gpu.py) ;;
   parallel) tests=(tests/test_engine_gpu_parallel.py) ;;
   all) tests=("${kernels[@]}" tests/test_engine_gpu.py tests/test_engine_gpu_parallel.py) ;;

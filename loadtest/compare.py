@@ -60,9 +60,14 @@ def summarize(stats: dict[str, dict], seconds: float) -> dict:
 
 
 def warm_up(url: str, long_words: int) -> None:
+    """Requests of the load's kinds before it is timed: a long prompt, and a sampled chat (the
+    model's default top_p): sampling kernels that compile on first use do it here."""
     for words in (16, long_words):
         body = {"text": "word " * words, "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}}
         requests.post(f"{url}/generate", json=body, timeout=600).raise_for_status()
+    chat = {"model": "default", "messages": [{"role": "user", "content": "word " * 16}],
+            "max_tokens": 8, "temperature": 0.7}  # fmt: skip
+    requests.post(f"{url}/v1/chat/completions", json=chat, timeout=600).raise_for_status()
 
 
 def run_policy(policy: str, args, mix: dict[str, str]) -> dict:

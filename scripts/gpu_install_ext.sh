@@ -11,4 +11,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/locust
   2>&1 | { grep -v WARNING || true; }
 printf '#!/bin/sh\nPYTHONPATH=/tmp/locust exec python3 -m locust "$@"\n' > /tmp/locust/bin/locust
 chmod +x /tmp/locust/bin/locust
-echo "sglang_ext and pytest installed into /tmp/ext, locust into /tmp/locust"
+# py-spy on the PATH of the servers started later: SGLang's crash diagnostics call `py-spy dump`
+rm -rf /tmp/tools && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/tools \
+  .gpu/ext/tools/*.whl 2>&1 | { grep -v WARNING || true; }
+ln -sf /tmp/tools/bin/py-spy /usr/local/bin/py-spy
+echo "sglang_ext and pytest installed into /tmp/ext, locust into /tmp/locust, py-spy on the PATH"

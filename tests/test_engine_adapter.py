@@ -87,3 +87,24 @@ def test_a_missing_target_stops_the_engine_process(monkeypatch):
         active_policy.cache_clear()
     assert "sglang.srt.gone.ModelRunner.forward" in str(stop.value.code)
     assert engine.registered_targets() == []  # nothing was registered before the check
+
+
+def test_sampling_kernels_are_built_only_for_flashinfer_sampling_and_their_absence_is_loud(monkeypatch):
+    from sglang_ext.engine import kernel_warmup
+
+    monkeypatch.setattr(kernel_warmup, "SAMPLING_MODULE", "no_such_flashinfer.get_sampling_module")
+    kernel_warmup.build_sampling_kernels("pytorch")  # the CPU engine's: nothing to build or import
+    with pytest.raises(engine.EngineAdapterError, match="--sampling-backend flashinfer: .*missing"):
+        kernel_warmup.build_sampling_kernels("flashinfer")
+    # with FlashInfer sampling, the builder SGLang's sampler would call first is called at start-up
+    monkeypatch.setattr(kernel_warmup, "SAMPLING_MODULE", f"{__name__}.{_record_build.__name__}")
+    BUILDS.clear()
+    kernel_warmup.build_sampling_kernels("flashinfer")
+    assert BUILDS == ["sampling"]
+
+
+BUILDS: list[str] = []
+
+
+def _record_build() -> None:
+    BUILDS.append("sampling")

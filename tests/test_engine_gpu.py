@@ -6,6 +6,7 @@ the kernel tests."""
 import os
 import statistics
 import sys
+import time
 
 import pytest
 import requests
@@ -108,6 +109,17 @@ def test_policies_decode_on_their_base_with_cuda_graphs(servers, name):
     assert f"{BACKEND_CLASS[base]} decoding with policy" in log
     decodes = [line for line in log.splitlines() if "Decode batch" in line]
     assert decodes and all("cuda graph: True" in line for line in decodes)
+
+
+def test_a_sampled_chat_is_answered_at_once_after_start_up(servers):
+    # FlashInfer compiles its sampling kernels on first use (minutes on a fresh host, the server
+    # silent meanwhile); the launcher builds them while it starts (engine/kernel_warmup.py)
+    chat = {"model": "default", "messages": [{"role": "user", "content": PROMPTS[2]}],
+            "max_tokens": 16, "temperature": 0.7, "top_p": 0.9}  # fmt: skip
+    start = time.perf_counter()
+    response = requests.post(f"{servers['full'].url}/v1/chat/completions", json=chat, timeout=600)
+    response.raise_for_status()
+    assert time.perf_counter() - start < 20  # not stalled behind a first-use compile
 
 
 def test_full_gives_vanillas_greedy_tokens_on_the_same_base(servers):

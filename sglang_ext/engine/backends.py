@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from sglang_ext.engine.kernel_warmup import build_sampling_kernels
 from sglang_ext.engine.targets import EngineAdapterError
 from sglang_ext.policies import DecodeContext, KVPolicy, RankGroup
 from sglang_ext.policies.calibration import model_fingerprint
@@ -234,6 +235,7 @@ def register_backends(policy: KVPolicy) -> None:
 
         def create(model_runner, backend_class=backend_class):
             backend = backend_class()(model_runner, policy)
+            build_sampling_kernels(model_runner.server_args.sampling_backend)
             described = backend.kv_policy.describe()
             logger.info("sglang_ext: %s decoding with policy %s", type(backend).__name__, described)
             return backend
