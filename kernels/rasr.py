@@ -11,7 +11,6 @@ kernel turns the logits into probabilities, sums them over heads and updates the
 Lengths stay on the device and grids depend on shapes only, so decode keeps its CUDA graph.
 """
 
-from collections.abc import Callable
 
 import torch
 import triton
@@ -129,20 +128,15 @@ def retained_decode_ref(
 
 
 def window_scores(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    seq_len: int,
-    sm_scale: float,
-    pool: int = 1,
-    combine: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    queries: torch.Tensor, keys: torch.Tensor, seq_len: int, sm_scale: float
 ) -> torch.Tensor:
     """The attention the last prompt tokens pay to each of a request's tokens, summed over query
     heads and those queries, causal (Lethe Eq. 2 over a prefill's observation window).
 
     queries [n, q_heads, dim] are the queries of positions seq_len - n .. seq_len - 1; keys
     [seq_len, kv_heads, dim]. Returns [seq_len] fp32. Torch on every device: it runs once per
-    request and layer at prefill, over n x seq_len logits. ``combine`` (tensor parallelism) turns
-    this rank's heads' sum into all heads' before the pooling.
+    request and layer at prefill, over n x seq_len logits. Under tensor parallelism this is one
+    rank's heads' share: sum the ranks' before ``pool_neighbours``.
     """
     n = queries.shape[0]
     group = queries.shape[1] // keys.shape[1]
@@ -151,13 +145,14 @@ def window_scores(
     query_pos = torch.arange(seq_len - n, seq_len, device=queries.device)
     future = torch.arange(seq_len, device=queries.device)[None, :] > query_pos[:, None]
     logits = logits.masked_fill(future, float("-inf"))
-    received = torch.softmax(logits, dim=-1).sum(dim=(0, 1))
-    if combine is not None:
-        received = combine(received)
-    if pool > 1:
-        # A question attends to a record's key, its answer then needs the value beside it: each
-        # token also gets its neighbours' best score (SnapKV's clustering, by max).
-        received = torch.nn.functional.max_pool1d(
-            received[None, None], pool, stride=1, padding=pool // 2
-        )[0, 0, :seq_len]
-    return received
+    return torch.softmax(logits, dim=-1).sum(dim=(0, 1))
+
+
+def pool_neighbours(scores: torch.Tensor, pool: int) -> torch.Tensor:
+    """Each token's score raised to its ``pool`` neighbours' best. A question attends to a
+    record's key, its answer then needs the value beside it (SnapKV's clustering, by max)."""
+    if pool <= 1:
+        return scores
+    return torch.nn.functional.max_pool1d(
+        scores[None, None], pool, stride=1, padding=pool // 2
+    )[0, 0, : scores.shape[0]]

@@ -197,8 +197,10 @@ class LetheRuntime(PolicyRuntime):
     def after_extend(self, q, layer, forward_batch) -> None:
         """Seed a prefilled request's scores in this layer: the attention its last
         ``observation_window`` prompt tokens pay to each of its tokens, summed over heads and
-        those queries (Eq. 2). Its rows were reset to every position before the forward; the
-        rows and lengths come from the host (``_extending``, once per batch)."""
+        those queries (Eq. 2), then pooled over neighbours. Its rows were reset to every position
+        before the forward; the rows and lengths come from the host (``_extending``, once per
+        batch). Under tensor parallelism the batch's sums are combined across the ranks in one
+        exchange per layer, before the pooling, and stored as this rank's 1/size share."""
         from sglang_ext.kernels import rasr
 
         window = self.policy.observation_window
@@ -207,19 +209,21 @@ class LetheRuntime(PolicyRuntime):
         lid, ranks = layer.layer_id, self.ctx.ranks
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         k_buffer = self.ctx.kv_pool.get_key_buffer(lid)
-        start = 0
-        for row, seq_len, extend_len in zip(
+        extending = list(zip(
             self._extending.rows, self._extending.seq_lens, forward_batch.extend_seq_lens_cpu,
             strict=True,
-        ):  # fmt: skip
+        ))  # fmt: skip
+        sums, start = [], 0
+        for row, seq_len, extend_len in extending:
             n = min(window, extend_len)
             queries = q[start + extend_len - n : start + extend_len]
             start += extend_len
             slots = self.ctx.req_to_token[row, :seq_len].long()
-            seed = rasr.window_scores(
-                queries, k_buffer[slots], seq_len, layer.scaling, self.policy.observation_pool,
-                combine=None if ranks is None else ranks.sum,
-            )  # fmt: skip
+            sums.append(rasr.window_scores(queries, k_buffer[slots], seq_len, layer.scaling))
+        if ranks is not None:
+            sums = ranks.sum(torch.cat(sums)).split([seq_len for _, seq_len, _ in extending])
+        for (row, seq_len, _), received in zip(extending, sums, strict=True):
+            seed = rasr.pool_neighbours(received, self.policy.observation_pool)
             self.scores[lid, row, :seq_len] = seed if ranks is None else seed / ranks.size
 
     def prune(self, request: StepRequest, length: int, engine: EngineOps) -> None:

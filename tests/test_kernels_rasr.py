@@ -6,7 +6,9 @@ Without CUDA the kernel runs under Triton's interpreter on CPU tensors (conftest
 import pytest
 import torch
 from kernel_cases import DEVICE, OUT_TOL, make_batch
-from sglang_ext.kernels.rasr import retained_decode, retained_decode_ref, window_scores
+from sglang_ext.kernels.rasr import (
+    pool_neighbours, retained_decode, retained_decode_ref, window_scores,
+)
 from sglang_ext.kernels.selection_attention import selection_attention_ref
 
 SEQ_LENS = (5, 37, 70)
@@ -101,3 +103,10 @@ def test_window_scores_are_causal_and_find_the_matching_key():
     queries = torch.randn(n, heads, dim, generator=gen) * 0.1 + 4 * keys[17, 0]
     scores = window_scores(queries, keys, seq_len, dim**-0.5)
     assert 2.9 * 2 < scores[17].item() < 3 * heads
+
+
+def test_pooling_gives_each_token_its_neighbours_best_score():
+    scores = torch.tensor([0.0, 5.0, 0.0, 0.0, 0.0, 1.0, 0.0])
+    torch.testing.assert_close(pool_neighbours(scores, 3), torch.tensor([5.0, 5, 5, 0, 1, 1, 1]))
+    torch.testing.assert_close(pool_neighbours(scores, 5), torch.tensor([5.0, 5, 5, 5, 1, 1, 1]))
+    assert pool_neighbours(scores, 1) is scores
