@@ -89,7 +89,7 @@ def test_a_missing_target_stops_the_engine_process(monkeypatch):
     assert engine.registered_targets() == []  # nothing was registered before the check
 
 
-def test_sampling_kernels_are_built_only_for_flashinfer_sampling_and_their_absence_is_loud(monkeypatch):
+def test_sampling_kernels_are_built_for_flashinfer_sampling_only_and_loudly(monkeypatch):
     from sglang_ext.engine import kernel_warmup
 
     monkeypatch.setattr(kernel_warmup, "SAMPLING_MODULE", "no_such_flashinfer.get_sampling_module")
