@@ -9,6 +9,9 @@ device sync), after the step (``sglang_ext.engine.steps``): each request's
 tile counts are accumulated by its kernel on the device and copied back without waiting
 (``DeviceCounts``), so they lag a step or so.
 
+The running requests' series (KV held, logical tokens, tokens attended) are labelled by the policy
+each request decodes under (``full`` for one that opted out), the rest by the served policy.
+
 Under parallelism the series carry SGLang's own labels, ``tp_rank`` and (data parallelism)
 ``dp_rank``: each data-parallel worker reports its requests; within a worker the first
 attention-TP rank reports them, as SGLang's metrics do (every rank decides alike), and every rank
@@ -93,40 +96,82 @@ class Worker:
         return labels if self.dp_rank is None else {**labels, "dp_rank": str(self.dp_rank)}
 
 
-class PolicyMetrics:
-    def __init__(self, labels: dict[str, str]):
-        from prometheus_client import Counter, Gauge, Histogram
+class RequestSeries:
+    """The running requests' series, labelled by the policy each request decodes under: the
+    served one, or ``full`` for a request that opted out."""
 
-        gauge = dict(labelnames=list(labels), multiprocess_mode="mostrecent")
-        self.retained = Gauge(f"{PREFIX}retained_kv_tokens",
-                              "KV tokens the running requests hold (after eviction)", **gauge).labels(**labels)
-        self.logical = Gauge(f"{PREFIX}logical_kv_tokens",
-                             "tokens of the running requests: what full attention would hold", **gauge).labels(**labels)
-        self.evicted = Counter(f"{PREFIX}evicted_tokens", "KV slots freed by eviction rounds",
-                               list(labels)).labels(**labels)
-        self.relieved = Counter(f"{PREFIX}memory_relief_tokens",
-                                "KV slots freed because the next decode step did not fit (else SGLang retracts)",
-                                list(labels)).labels(**labels)  # fmt: skip
-        self.rounds = Counter(f"{PREFIX}eviction_rounds", "eviction rounds run", list(labels)).labels(**labels)
-        self.attended = Histogram(f"{PREFIX}attended_tokens_per_step",
-                                  "tokens one request attends to per decode step, mean over layers",
-                                  list(labels), buckets=_TOKEN_BUCKETS).labels(**labels)
-        self.overhead = Histogram(f"{PREFIX}policy_overhead_seconds",
-                                  "host time of the policy per decode batch (eviction rounds, bookkeeping)",
-                                  list(labels), buckets=_SECOND_BUCKETS).labels(**labels)  # fmt: skip
+    def __init__(self, worker: Worker):
+        from prometheus_client import Gauge, Histogram
+
+        names = list(worker.labels(""))
+        gauge = dict(labelnames=names, multiprocess_mode="mostrecent")
+        self._retained = Gauge(
+            f"{PREFIX}retained_kv_tokens", "KV tokens the running requests hold (after eviction)",
+            **gauge,
+        )
+        self._logical = Gauge(
+            f"{PREFIX}logical_kv_tokens",
+            "tokens of the running requests: what full attention would hold", **gauge,
+        )
+        self._attended = Histogram(
+            f"{PREFIX}attended_tokens_per_step",
+            "tokens one request attends to per decode step, mean over layers", names,
+            buckets=_TOKEN_BUCKETS,
+        )
+        self.worker = worker
+        self._by_policy: dict[str, tuple] = {}  # name -> its (retained, logical, attended) children
+
+    def _children(self, policy_name: str) -> tuple:
+        if policy_name not in self._by_policy:
+            labels = self.worker.labels(policy_name)
+            series = (self._retained, self._logical, self._attended)
+            self._by_policy[policy_name] = tuple(metric.labels(**labels) for metric in series)
+        return self._by_policy[policy_name]
+
+    def observe(self, step: list[StepRequest], reports: list[RequestReport]) -> None:
+        sums = {name: [0, 0] for name in self._by_policy}  # a policy now idle drops to 0
+        for request, report in zip(step, reports, strict=True):
+            self._children(report.policy)[2].observe(report.attended)
+            totals = sums.setdefault(report.policy, [0, 0])
+            totals[0] += report.held
+            totals[1] += request.seq_len
+        for name, (retained, logical) in sums.items():
+            retained_gauge, logical_gauge, _ = self._children(name)
+            retained_gauge.set(retained)
+            logical_gauge.set(logical)
+
+
+class PolicyMetrics:
+    """The served policy's work: rounds, freed slots, host time; and its requests' series."""
+
+    def __init__(self, worker: Worker, policy_name: str):
+        from prometheus_client import Counter, Histogram
+
+        labels = worker.labels(policy_name)
+        names = list(labels)
+        self.requests = RequestSeries(worker)
+        self.evicted = Counter(
+            f"{PREFIX}evicted_tokens", "KV slots freed by eviction rounds", names
+        ).labels(**labels)
+        self.relieved = Counter(
+            f"{PREFIX}memory_relief_tokens",
+            "KV slots freed because the next decode step did not fit (else SGLang retracts)", names,
+        ).labels(**labels)
+        self.rounds = Counter(
+            f"{PREFIX}eviction_rounds", "eviction rounds run", names
+        ).labels(**labels)
+        self.overhead = Histogram(
+            f"{PREFIX}policy_overhead_seconds",
+            "host time of the policy per decode batch (eviction rounds, bookkeeping)", names,
+            buckets=_SECOND_BUCKETS,
+        ).labels(**labels)
         self._seen = RuntimeStats()
 
     def observe_decode(
         self, runtime: PolicyRuntime, step: list[StepRequest], reports: list[RequestReport]
     ) -> None:
         started = time.perf_counter()
-        logical = retained = 0
-        for request, report in zip(step, reports, strict=True):
-            logical += request.seq_len
-            retained += report.held
-            self.attended.observe(report.attended)
-        self.logical.set(logical)
-        self.retained.set(retained)
+        self.requests.observe(step, reports)
         stats = runtime.stats
         self.rounds.inc(stats.rounds - self._seen.rounds)
         self.evicted.inc(stats.freed_slots - self._seen.freed_slots)
@@ -145,9 +190,9 @@ def observe_decode(
     metrics are made at the first)."""
     global _metrics
     if _metrics is None:
-        labels = worker.labels(runtime.policy.name)
-        requests = PolicyMetrics(labels) if worker.reports_requests else None
+        requests = PolicyMetrics(worker, runtime.policy.name) if worker.reports_requests else None
         tiles = runtime.tile_counts
+        labels = worker.labels(runtime.policy.name)
         _metrics = (requests, ArtMetrics(labels, tiles) if tiles is not None else None)
     requests, art = _metrics
     if requests is not None:

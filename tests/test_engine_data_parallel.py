@@ -65,6 +65,20 @@ def test_per_request_policies_hold_on_every_worker(server):
     assert [meta["kv_evicted_tokens"][-1] for meta in metas[:2]] == [0, 0]
     kept_own, kept_served = (meta["kv_retained_tokens"][-1] for meta in metas[2:])
     assert kept_own > kept_served > 0  # its own cap (0.6) keeps more than the server's (0.3)
+    # the requests' series name the policy each decoded under; the rounds, the served one
+    text = server.metrics()
+    steps = labelled(text, "sglang_ext:attended_tokens_per_step_count")
+    assert steps.get("full", 0) >= 2 * 47 and steps.get("lethe", 0) >= 2 * 47
+    assert set(labelled(text, "sglang_ext:eviction_rounds_total")) == {"lethe"}
+
+
+def labelled(text: str, name: str) -> dict[str, float]:
+    """A Prometheus metric's samples summed by their ``policy`` label."""
+    sums: dict[str, float] = {}
+    for labels, value in re.findall(rf"^{re.escape(name)}{{([^}}]*)}} (\S+)$", text, re.M):
+        policy = re.search(r'policy="([^"]*)"', labels).group(1)
+        sums[policy] = sums.get(policy, 0.0) + float(value)
+    return sums
 
 
 def test_the_pools_stay_exact(server):
