@@ -201,16 +201,16 @@ def ragged_selection_attention(
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A selection layer's full attention with its scores in ``rows``' ragged buffers (placed for
-    this batch): (out, token_scores [capacity], page_scores [capacity / 16] or None), DELTA's
-    (``use_probs``: the max over query heads of the attention probability, and page sums) or
-    TidalDecode's (of the scaled logit q·k, no pages). ``workspace`` or ``num_kv_splits`` as for
-    split_kv_decode."""
+    this batch): (out, token_scores [capacity], page_scores [capacity / 16] or None: page sums
+    where ``rows`` has pages), a token's score the max over query heads of its attention
+    probability (``use_probs``, DELTA's) or of its scaled logit q·k (TidalDecode's).
+    ``workspace`` or ``num_kv_splits`` as for split_kv_decode."""
     out, lse = split_kv_decode(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale,
         logits=rows.logits, logits_row_start=rows.row_start, num_kv_splits=num_kv_splits,
         workspace=workspace, out=out,
     )  # fmt: skip
-    pages = rows.pages if use_probs else None
+    pages = rows.pages
     score_tokens(
         rows.logits, lse, seq_lens, rows.tokens, pages, use_probs=use_probs,
         row_start=rows.row_start[: q.shape[0]], max_seq_len=req_to_token.shape[1],

@@ -38,6 +38,7 @@ class DeltaPolicy(SelectionPolicy):
     selection_field = "delta_layers"
     budget_field, recent_field, sink_field = "budget_pages", "recent_pages", "sink_pages"
     budget_unit_tokens = PAGE_SIZE
+    score = "probability"
     request_params = ("budget_pages",)  # at most the server's: it sizes the selection buffers
     full_layers: list[int] | None = None  # unset: calibration file, else [0, 1]
     delta_layers: list[int] | None = None  # unset: calibration file, else [2, 14, 22] at 28 layers

@@ -53,6 +53,9 @@ class SelectionPolicy(KVPolicy):
     budget_field: ClassVar[str]  # how many units are selected
     recent_field: ClassVar[str]  # how many of them are the last ones, always kept
     sink_field: ClassVar[str]  # how many of them are the first ones (attention sinks)
+    # a token's score at a selection layer, over the query heads: "probability" (the max of its
+    # attention probability) or "qk" (the max of its scaled logit); a field where it is a choice
+    score: ClassVar[str]
     budget_unit_tokens: ClassVar[int] = 1  # tokens per selected unit
 
     def paper_layers(self, num_layers: int) -> tuple[list[int], list[int]]:
@@ -294,11 +297,11 @@ def ragged_scoring(ctx: DecodeContext, use_probs: bool, page_size: int) -> tuple
     """A selection layer's attention on CUDA: the kernel with its scratch and its score rows owned
     up front (``kernels.selection_attention.ScoreRows``: ragged, sized by the KV pool, shared by
     the policy's selection layers and placed once per step), and the ``unit_chooser`` arguments
-    that read those rows (units of ``page_size`` tokens)."""
+    that read those rows (units of ``page_size`` tokens: pages are scored beside tokens)."""
     from sglang_ext.kernels import selection_attention as sa
 
     rows = sa.ScoreRows(
-        ctx.batch_tokens_bound(), ctx.max_batch_size, ctx.num_q_heads, ctx.device, use_probs
+        ctx.batch_tokens_bound(), ctx.max_batch_size, ctx.num_q_heads, ctx.device, page_size > 1
     )
     ctx.decode_step_setups.append(lambda forward_batch: rows.place(forward_batch.seq_lens))
     ctx.step_reservations.append(rows.reserve)

@@ -2,10 +2,12 @@
 
 Layers in ``full_layers`` attend to the whole cache. A token-selection layer (by default layer 2
 and one re-selection layer mid-depth) attends to the whole cache too and keeps the
-``budget_tokens`` tokens with the highest q·k (max over query heads), always including the last
-``recent_tokens`` (the token being decoded) and the first ``sink_tokens`` (attention sinks, which
-q·k alone often misses: keeping them halved the KL to full attention, RESULTS.md); the other
-layers after it attend only to those tokens.
+``budget_tokens`` tokens with the highest score, always including the last ``recent_tokens`` (the
+token being decoded) and the first ``sink_tokens`` (attention sinks, which q·k alone often misses:
+keeping them halved the KL to full attention, RESULTS.md); the other layers after it attend only
+to those tokens. A token's ``score`` is the max over query heads of its scaled q·k (``"qk"``, the
+paper's) or of its attention probability (``"probability"``, DELTA's), which normalises each
+head by its softmax.
 With ``correction_interval`` T > 0, every T decode steps the tokens decoded since the last
 correction get their K/V re-filled by a full-attention prefill (sglang_ext.cache_correction).
 """
@@ -13,10 +15,11 @@ correction get their K/V re-filled by a full-attention prefill (sglang_ext.cache
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from sglang_ext.kernels.page_select import unit_chooser
-from sglang_ext.policies.base import DecodeContext
+from sglang_ext.policies.base import DecodeContext, PolicyConfigError
 from sglang_ext.policies.registry import register_policy
 from sglang_ext.policies.selection import (
     Selection,
@@ -26,6 +29,7 @@ from sglang_ext.policies.selection import (
 )
 
 PAPER_DEPTH, PAPER_RESELECTION_LAYER = 32, 13  # the paper's best for Llama-3-8B (Sec. 4.4)
+SCORES = ("qk", "probability")
 
 
 @register_policy
@@ -41,6 +45,7 @@ class TidalPolicy(SelectionPolicy):
     recent_tokens: int = 1
     sink_tokens: int = 4  # the first tokens, always kept: q·k alone misses attention sinks
     correction_interval: int = 0  # T of the paper's cache correction (Sec. 3.2); 0: off
+    score: str = "qk"  # per token, the max over query heads of: "qk" or "probability"
 
     @classmethod
     def for_token_budget(cls, tokens: int) -> dict[str, int]:
@@ -48,6 +53,10 @@ class TidalPolicy(SelectionPolicy):
 
     def validate(self) -> None:
         super().validate()
+        if self.score not in SCORES:
+            raise PolicyConfigError(
+                f"{self.name}.score", f"unknown token score {self.score!r}", list(SCORES)
+            )
         if self.correction_interval < 0:
             self._error(
                 "correction_interval", f"must be >= 0 (0: off), got {self.correction_interval}"
@@ -62,9 +71,10 @@ class TidalPolicy(SelectionPolicy):
 
     def selection(self, ctx: DecodeContext) -> Selection:
         if torch.device(ctx.device).type == "cuda":
-            attend_and_score, ragged = ragged_scoring(ctx, use_probs=False, page_size=1)
+            by_probability = self.score == "probability"
+            attend_and_score, ragged = ragged_scoring(ctx, use_probs=by_probability, page_size=1)
         else:  # the torch reference (the Triton interpreter is far too slow to serve with)
-            attend_and_score, ragged = _reference_attention, {}
+            attend_and_score, ragged = functools.partial(_reference_attention, score=self.score), {}
         choose_tokens = unit_chooser(
             ctx.device, self.budget_tokens, self.recent_tokens, 1, ctx.art is not None,
             num_sink=self.sink_units(), **ragged,
@@ -78,11 +88,13 @@ class TidalPolicy(SelectionPolicy):
         )
 
 
-def _reference_attention(*cache, sm_scale):
+def _reference_attention(*cache, sm_scale, score):
     from sglang_ext.kernels import selection_attention as sa
 
     q, k_buffer, _, req_to_token, req_pool_indices, seq_lens = cache
-    out, _ = sa.selection_attention_ref(*cache, sm_scale=sm_scale)
+    out, probabilities = sa.selection_attention_ref(*cache, sm_scale=sm_scale)
+    if score == "probability":
+        return out, probabilities, None
     scores = sa.tidal_token_scores_ref(
         q, k_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale
     )

@@ -69,7 +69,7 @@ class SelectionReads(FullReads):
     def __init__(self, policy, num_layers: int):
         self.roles = policy.layer_roles(num_layers)
         self.rule = at.selection_rule(policy, num_layers)
-        self.score = at.TOKEN_SCORES[policy.name]
+        self.score = at.TOKEN_SCORES[policy.score]
         self.budget = policy.budget()
         self.selected: torch.Tensor | None = None
 

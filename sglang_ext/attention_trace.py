@@ -142,10 +142,10 @@ def cpu_context(num_layers: int, fingerprint: dict | None = None) -> DecodeConte
     return DecodeContext(num_layers, None, None, None, None, 1, torch.device("cpu"), fingerprint)
 
 
-# A selection layer's token score from its [q_heads, seq_len] logits, per policy.
+# A selection layer's token score from its [q_heads, seq_len] logits, by the policy's ``score``.
 TOKEN_SCORES = {
-    "delta": lambda logits: torch.softmax(logits, dim=-1).amax(dim=0),  # max-head probability
-    "tidal": lambda logits: logits.amax(dim=0),  # max-head sm_scale·q·k
+    "probability": lambda logits: torch.softmax(logits, dim=-1).amax(dim=0),  # max-head probability
+    "qk": lambda logits: logits.amax(dim=0),  # max-head sm_scale·q·k
 }
 
 
@@ -175,7 +175,7 @@ def selection_sources(policy: SelectionPolicy, num_layers: int) -> dict[int, int
 def replay(trace: DecodeTrace, policy: SelectionPolicy) -> list[dict[int, torch.Tensor]]:
     """Per decode step: sparse layer -> the token positions the policy lets it read, chosen by the
     policy's own selection at its selection layers (``policy`` has its layer lists set)."""
-    rule, score = selection_rule(policy, trace.num_layers), TOKEN_SCORES[policy.name]
+    rule, score = selection_rule(policy, trace.num_layers), TOKEN_SCORES[policy.score]
     sources = selection_sources(policy, trace.num_layers)
     steps = []
     for step in range(trace.num_steps):

@@ -78,7 +78,8 @@ def measure(trace: at.DecodeTrace, budget_tokens: int) -> dict[str, list[float |
     (no previous layer; not a candidate re-selection layer)."""
     num_layers = trace.num_layers
     candidates = range(FIRST_SELECTION_LAYER + 1, num_layers)
-    rule = at.selection_rule(tidal_policy(candidates[0], budget_tokens), num_layers)
+    rule_policy = tidal_policy(candidates[0], budget_tokens)
+    rule = at.selection_rule(rule_policy, num_layers)
     truth_rule = at.selection_rule(tidal_policy(candidates[0], budget_tokens, True), num_layers)
     sources = {
         r: at.selection_sources(tidal_policy(r, budget_tokens), num_layers) for r in candidates
@@ -92,7 +93,7 @@ def measure(trace: at.DecodeTrace, budget_tokens: int) -> dict[str, list[float |
             score_shift[layer] += layer_shift(probs[layer - 1].amax(0), probs[layer].amax(0))
         selected, top_k = {}, {}
         for layer in range(FIRST_SELECTION_LAYER, num_layers):
-            scores = at.TOKEN_SCORES["tidal"](logits[layer])
+            scores = at.TOKEN_SCORES[rule_policy.score](logits[layer])
             selected[layer] = at.choose_tokens(rule, scores, seq_len)
             top_k[layer] = at.choose_tokens(truth_rule, scores, seq_len)
         for r, by_layer in sources.items():

@@ -69,11 +69,18 @@ def test_trace_matches_eager_attention(tiny_model_dir, trace):
             torch.testing.assert_close(trace.probs(step, layer), expected, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name, field", [("delta", "delta_layers"), ("tidal", "selection_layers")])
-def test_token_scores_are_those_of_the_engines_selection_layers(trace, name, field):
+@pytest.mark.parametrize(
+    "name, field, params",
+    [
+        ("delta", "delta_layers", {}),
+        ("tidal", "selection_layers", {}),
+        ("tidal", "selection_layers", {"score": "probability"}),
+    ],
+)
+def test_token_scores_are_those_of_the_engines_selection_layers(trace, name, field, params):
     """The replay's token scores equal what the policy's selection attention (the torch reference
     the engine runs on the CPU) computes from the same cache (scores do not read V: K stands in)."""
-    policy = build_policy(name, {"full_layers": [0, 1], field: [2]})
+    policy = build_policy(name, {"full_layers": [0, 1], field: [2], **params})
     rule = at.selection_rule(policy, LAYERS)
     slots = trace.keys.shape[1]
     for step, layer in ((0, 2), (STEPS - 1, LAYERS - 1)):
@@ -84,7 +91,7 @@ def test_token_scores_are_those_of_the_engines_selection_layers(trace, name, fie
             torch.tensor([seq_len]),
         )  # fmt: skip
         _, token_scores, _ = rule.attend_and_score(*cache, sm_scale=trace.sm_scale)
-        replayed = at.TOKEN_SCORES[name](trace.logits(step, layer))
+        replayed = at.TOKEN_SCORES[policy.score](trace.logits(step, layer))
         torch.testing.assert_close(replayed, token_scores[0, :seq_len])
 
 

@@ -117,12 +117,13 @@ def test_output_matches_sglang_decode_kernel():
     torch.testing.assert_close(out, expected, **OUT_TOL[torch.float16])
 
 
-@pytest.mark.parametrize("use_probs", [True, False])
-def test_ragged_rows_hold_each_requests_scores_and_nothing_else(use_probs):
+# DELTA's (probabilities, pages), Tidal's by q·k and Tidal's by probability (tokens only)
+@pytest.mark.parametrize("use_probs, with_pages", [(True, True), (False, False), (True, False)])
+def test_ragged_rows_hold_each_requests_scores_and_nothing_else(use_probs, with_pages):
     # rows of 5, 37 and 70 tokens start at pages 0, 1 and 4 of one long row and end on page 9:
     # buffers sized by the tokens a batch holds (120), not by batch x --context-length
     batch, sm_scale = make_batch(torch.float16)
-    rows = ScoreRows(120, max_batch=4, num_q_heads=6, device=DEVICE, pages=use_probs)
+    rows = ScoreRows(120, max_batch=4, num_q_heads=6, device=DEVICE, pages=with_pages)
     for buffer in (rows.logits, rows.tokens, rows.pages):
         if buffer is not None:
             buffer.fill_(float("nan"))
@@ -140,7 +141,8 @@ def test_ragged_rows_hold_each_requests_scores_and_nothing_else(use_probs):
         row = tokens[start:end]
         torch.testing.assert_close(row[:seq_len], expected[b, :seq_len], atol=1e-3, rtol=1e-3)
         assert (row[seq_len:] == float("-inf")).all()  # its last page's tail
-        if use_probs:
+        assert (pages is not None) == with_pages
+        if with_pages:
             page_rows = pages[start // PAGE_SIZE : end // PAGE_SIZE]
             torch.testing.assert_close(page_rows, page_scores_ref(expected[b : b + 1, :seq_len])[0])
     assert tokens[144:].isnan().all()  # past the batch's rows: untouched
