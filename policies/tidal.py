@@ -5,9 +5,10 @@ and one re-selection layer mid-depth) attends to the whole cache too and keeps t
 ``budget_tokens`` tokens with the highest score, always including the last ``recent_tokens`` (the
 token being decoded) and the first ``sink_tokens`` (attention sinks, which q·k alone often misses:
 keeping them halved the KL to full attention, RESULTS.md); the other layers after it attend only
-to those tokens. A token's ``score`` is the max over query heads of its scaled q·k (``"qk"``, the
-paper's) or of its attention probability (``"probability"``, DELTA's), which normalises each
-head by its softmax.
+to those tokens. A token's ``score`` is the max over query heads of its attention probability
+(``"probability"``, DELTA's: each head normalised by its softmax; the default, as its next-token
+KL to full attention is lower at every budget, RESULTS.md) or of its scaled q·k (``"qk"``, the
+paper's).
 With ``correction_interval`` T > 0, every T decode steps the tokens decoded since the last
 correction get their K/V re-filled by a full-attention prefill (sglang_ext.cache_correction).
 """
@@ -29,7 +30,7 @@ from sglang_ext.policies.selection import (
 )
 
 PAPER_DEPTH, PAPER_RESELECTION_LAYER = 32, 13  # the paper's best for Llama-3-8B (Sec. 4.4)
-SCORES = ("qk", "probability")
+SCORES = ("probability", "qk")
 
 
 @register_policy
@@ -45,7 +46,7 @@ class TidalPolicy(SelectionPolicy):
     recent_tokens: int = 1
     sink_tokens: int = 4  # the first tokens, always kept: q·k alone misses attention sinks
     correction_interval: int = 0  # T of the paper's cache correction (Sec. 3.2); 0: off
-    score: str = "qk"  # per token, the max over query heads of: "qk" or "probability"
+    score: str = "probability"  # per token, the max over query heads of: "probability" or "qk"
 
     @classmethod
     def for_token_budget(cls, tokens: int) -> dict[str, int]:

@@ -10,7 +10,7 @@ It decodes a few long natural-text prompts greedily under full attention
   which is what its selection ranks by.
 - **top-k recall per re-selection layer** (TidalDecode, Fig. 2b): for each candidate R, with tokens
   selected at layer 2 and re-selected at R by the policy's own rule, the overlap of the tokens a
-  sparse layer reads with that layer's own top-k (same score, q·k max over heads, k =
+  sparse layer reads with that layer's own top-k (same score, Tidal's default, k =
   --budget-tokens), mean over sparse layers, steps and prompts.
 
 Choice, after full layers [0, 1] (both papers), by what the layers do to the model's output: the
@@ -60,7 +60,7 @@ def topk_overlap(read: torch.Tensor, top_k: torch.Tensor) -> float:
 
 
 def tidal_policy(reselection_layer: int, budget_tokens: int, exact_top_k: bool = False):
-    """Tidal with its default recent and sink tokens, or choosing the plain top-k by q·k."""
+    """Tidal with its default recent and sink tokens, or choosing the plain top-k by its score."""
     exact = {"recent_tokens": 0, "sink_tokens": 0} if exact_top_k else {}
     return build_policy(
         "tidal",

@@ -74,7 +74,7 @@ def test_trace_matches_eager_attention(tiny_model_dir, trace):
     [
         ("delta", "delta_layers", {}),
         ("tidal", "selection_layers", {}),
-        ("tidal", "selection_layers", {"score": "probability"}),
+        ("tidal", "selection_layers", {"score": "qk"}),
     ],
 )
 def test_token_scores_are_those_of_the_engines_selection_layers(trace, name, field, params):

@@ -11,6 +11,7 @@ from sglang_ext.policies.selection import LayerRole
 def test_defaults_reselect_at_the_papers_relative_depth():
     policy = build_policy("tidal")
     assert (policy.budget_tokens, policy.recent_tokens, policy.sink_tokens) == (1024, 1, 4)
+    assert policy.score == "probability"
     assert policy.for_model(Cache(num_layers=32).context()).selection_layers == [2, 13]
     resolved = policy.for_model(Cache(num_layers=28).context())
     assert (resolved.full_layers, resolved.selection_layers) == ([0, 1], [2, 11])
@@ -30,7 +31,7 @@ def test_defaults_reselect_at_the_papers_relative_depth():
         ({"budget_tokens": 1.5}, "budget_tokens", "expected int"),
         ({"correction_interval": -1}, "correction_interval", "must be >= 0"),
         ({"sink_tokens": -1}, "sink_tokens", "must be >= 0"),
-        ({"score": "logit"}, "score", "unknown token score 'logit' (valid: qk, probability)"),
+        ({"score": "logit"}, "score", "unknown token score 'logit' (valid: probability, qk)"),
     ],
 )
 def test_bad_parameters_name_the_field(params, field, fragment):
@@ -60,7 +61,7 @@ def test_a_budget_covering_the_context_gives_full_attention(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_small_budget_keeps_the_sinks_the_top_tokens_by_qk_and_the_last(device):
     cache = Cache(device=device)
-    fns, decoder = tidal_decode_fns(cache, budget_tokens=24)
+    fns, decoder = tidal_decode_fns(cache, budget_tokens=24, score="qk")
     cache.decode(fns[2], 2)  # writes the new token's K/V, then selects
     assert decoder.num_selected[:3].tolist() == [24, 24, 17]
 
@@ -96,7 +97,7 @@ def expected_selection(cache, score: str, budget: int) -> set[int]:
 @pytest.mark.parametrize("device", DEVICES)
 def test_scored_by_probability_it_keeps_the_tokens_some_head_attends_to_most(device):
     cache = Cache(device=device)
-    fns, decoder = tidal_decode_fns(cache, budget_tokens=24, score="probability")
+    fns, decoder = tidal_decode_fns(cache, budget_tokens=24)  # the default score
     cache.decode(fns[2], 2)
     chosen = set(decoder.selected[0].tolist())
     assert chosen == expected_selection(cache, "probability", 24)
