@@ -148,22 +148,21 @@ class PolicyMetrics:
         from prometheus_client import Counter, Histogram
 
         labels = worker.labels(policy_name)
-        names = list(labels)
+
+        def counter(name: str, documentation: str):
+            return Counter(f"{PREFIX}{name}", documentation, list(labels)).labels(**labels)
+
         self.requests = RequestSeries(worker)
-        self.evicted = Counter(
-            f"{PREFIX}evicted_tokens", "KV slots freed by eviction rounds", names
-        ).labels(**labels)
-        self.relieved = Counter(
-            f"{PREFIX}memory_relief_tokens",
-            "KV slots freed because the next decode step did not fit (else SGLang retracts)", names,
-        ).labels(**labels)
-        self.rounds = Counter(
-            f"{PREFIX}eviction_rounds", "eviction rounds run", names
-        ).labels(**labels)
+        self.evicted = counter("evicted_tokens", "KV slots freed by eviction rounds")
+        self.relieved = counter(
+            "memory_relief_tokens",
+            "KV slots freed because the next decode step did not fit (else SGLang retracts)",
+        )
+        self.rounds = counter("eviction_rounds", "eviction rounds run")
         self.overhead = Histogram(
             f"{PREFIX}policy_overhead_seconds",
-            "host time of the policy per decode batch (eviction rounds, bookkeeping)", names,
-            buckets=_SECOND_BUCKETS,
+            "host time of the policy per decode batch (eviction rounds, bookkeeping)",
+            list(labels), buckets=_SECOND_BUCKETS,
         ).labels(**labels)
         self._seen = RuntimeStats()
 
