@@ -11,7 +11,6 @@ kernel turns the logits into probabilities, sums them over heads and updates the
 Lengths stay on the device and grids depend on shapes only, so decode keeps its CUDA graph.
 """
 
-
 import torch
 import triton
 import triton.language as tl
