@@ -198,7 +198,10 @@ def measure(
 ) -> tuple[float, KvSampler]:
     """Output tokens/s over all requests sent at once, and the sampler of KV and running
     requests meanwhile."""
-    generate(url, prompts[0][:16], 4)  # compiles kernels before the clock starts
+    # A full-length prompt compiles what the measured prefill runs (FlashInfer JIT-builds kernels
+    # on first use: 10 s inside the clock at --tp 2 on 2026-11-26); reversed, so the radix
+    # cache holds no measured prompt's prefix.
+    generate(url, prompts[0][::-1], 4)
     with KvSampler(url, interval_s) as sampler, ThreadPoolExecutor(len(prompts)) as pool:
         start = time.perf_counter()
         tokens = sum(

@@ -30,7 +30,8 @@ input_len=${INPUT_LEN:-8192} output_len=${OUTPUT_LEN:-1024}
   --output-len "$output_len" --context-length $((input_len + output_len + 1024)) \
   --cuda-graph-max-bs "${REQUESTS:-32}"
 if [[ -n "${OUT:-}" ]]; then
-  mkdir -p "$OUT/partial" && cp "$partial"/*.json "$OUT/partial/"
+  mkdir -p "$OUT/partial"
+  [[ "$partial" -ef "$OUT/partial" ]] || cp "$partial"/*.json "$OUT/partial/"
   cp "$logs"/e2e-qwen1.5b-*.log "$OUT/" 2>/dev/null || true
 fi
 echo "gpu_parallel: $1 done in ${SECONDS}s"
