@@ -19,6 +19,7 @@ step's query the prefill's; each measured step reads what each layer retains the
 whose KV it still holds there. ``--variants tidal:sink_tokens=0`` measures a policy with other
 parameters beside its defaults, DELTA and Tidal at each budget (``tidal[sink_tokens=0]-1024``),
 Lethe once, with --lethe-threshold unless the variant sets it (``lethe[max_kv_ratio=0.9]``).
+``--per-kv-head`` adds DELTA and Tidal selecting per KV head (``PerKVHeadSelectionReads``).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def variant(text: str) -> tuple[str, dict]:
     return name, params
 
 
-def readers(args, num_layers: int, fingerprint: dict) -> dict[str, object]:
+def readers(args, num_layers: int, fingerprint: dict, kv_heads: int) -> dict[str, object]:
     """label -> what each layer reads: full, the window, each policy at each budget of B tokens
     (``for_token_budget``: DELTA B/16 pages, B/128 of them recent; Tidal B tokens), with its
     defaults and as each of ``--variants`` changes them."""
@@ -82,6 +83,9 @@ def readers(args, num_layers: int, fingerprint: dict) -> dict[str, object]:
             config = {**policy_class(name).for_token_budget(budget), **params}
             policy = build_policy(name, config).for_model(ctx)
             out[f"{label}-{budget}"] = ag.SelectionReads(policy, num_layers)
+            if args.per_kv_head:
+                reads = ag.PerKVHeadSelectionReads(policy, num_layers, kv_heads)
+                out[f"{label}-per-kv-head-{budget}"] = reads
     for ratio in args.lethe_ratios:
         lethe_configs[f"lethe-{ratio:g}"] = {"max_kv_ratio": ratio}
     for label, params in lethe_configs.items():
@@ -107,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
         "policy with those parameters, measured beside its defaults (DELTA and Tidal at each "
         "budget, Lethe once)",
     )  # fmt: skip
+    parser.add_argument(
+        "--per-kv-head", action="store_true",
+        help="DELTA and Tidal also with a selection per KV head (label NAME-per-kv-head-BUDGET)",
+    )  # fmt: skip
     return parser
 
 
@@ -115,7 +123,10 @@ def measure(args, model_path) -> tuple[dict, str]:
     position or []) over every passage; the source."""
     model = ag.load_model(model_path, torch.float32)
     half = ag.load_model(model_path, torch.bfloat16)
-    reads = readers(args, model.config.num_hidden_layers, model_fingerprint(model.config))
+    config = model.config
+    reads = readers(
+        args, config.num_hidden_layers, model_fingerprint(config), config.num_key_value_heads
+    )
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     results: dict[tuple[str, int], list[list]] = {}
     source = ""

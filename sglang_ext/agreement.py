@@ -80,6 +80,27 @@ class SelectionReads(FullReads):
         return self.selected if role is LayerRole.SPARSE else None
 
 
+class PerKVHeadSelectionReads(SelectionReads):
+    """As ``SelectionReads``, but each KV head keeps its own selection, chosen by the same rule
+    from the scores of its own query group (as Quest and TidalDecode's per-head variants do under
+    GQA), and a sparse layer's KV head h reads what KV head h of the selection layer chose.
+    ``tokens`` then gives a [q_heads, seq_len] mask of what each query head may read."""
+
+    def __init__(self, policy, num_layers: int, kv_heads: int):
+        super().__init__(policy, num_layers)
+        self.kv_heads = kv_heads
+
+    def tokens(self, layer: int, logits: torch.Tensor) -> torch.Tensor | None:
+        if self.roles[layer] is LayerRole.SELECT:
+            q_heads, seq_len = logits.shape
+            group = q_heads // self.kv_heads
+            self.selected = torch.zeros(q_heads, seq_len, dtype=torch.bool)
+            for head, head_logits in enumerate(logits.view(self.kv_heads, group, seq_len)):
+                chosen = at.choose_tokens(self.rule, self.score(head_logits), seq_len)
+                self.selected[head * group : (head + 1) * group, chosen] = True
+        return self.selected if self.roles[layer] is LayerRole.SPARSE else None
+
+
 class LetheReads(FullReads):
     """A Lethe step: each layer reads the tokens it retains, as the engine's own Lethe runtime
     (``sglang_ext.eviction.LetheRuntime``, its CPU path) keeps them over a decode of the passage
@@ -195,7 +216,9 @@ class OneStep:
         grouped = q.view(kv_heads, q_heads // kv_heads, -1)
         logits = torch.einsum("kgd,ktd->kgt", grouped, k).reshape(q_heads, -1) * scaling
         tokens = self.reads.tokens(layer, logits)
-        if tokens is not None:
+        if tokens is not None and tokens.dtype == torch.bool:  # a mask per query head
+            logits = logits.masked_fill(~tokens, float("-inf"))
+        elif tokens is not None:  # positions every head reads
             allowed = torch.full_like(logits, float("-inf"))
             allowed[:, tokens] = 0.0
             logits = logits + allowed

@@ -18,7 +18,7 @@ def values(model_path, tmp_path_factory) -> dict:
         "--model-path", str(model_path), "--lengths", "384", "--prompts-per-length", "1",
         "--positions-from", "256", "--stride", "32", "--budgets", "128,512", "--window", "64",
         "--lethe-ratios", "0.3", "--lethe-threshold", "64", "--variants",
-        "tidal:sink_tokens=0;lethe:max_kv_ratio=1.0",
+        "tidal:sink_tokens=0;lethe:max_kv_ratio=1.0", "--per-kv-head",
         "--out-dir", str(out), "--results-md", str(out / "RESULTS.md"),
     ])  # fmt: skip
     (rows_path,) = out.glob("agreement-*.json")
@@ -27,7 +27,8 @@ def values(model_path, tmp_path_factory) -> dict:
 
 
 def test_the_one_step_path_and_covering_budgets_reproduce_full_attention(values):
-    for label in ("full", "delta-512", "tidal-512"):  # 512 tokens cover the 384-token passage
+    # 512 tokens cover the 384-token passage
+    for label in ("full", "delta-512", "tidal-512", "tidal-per-kv-head-512"):
         assert values[label, "top1_agreement"] == 1.0
         assert values[label, "kl_nats"] < 1e-6, label
 
@@ -63,6 +64,34 @@ def test_variants_are_measured_beside_the_defaults(values):
     # Lethe without a cap (and, by default, without per-layer breakpoints): full attention
     union = "lethe[max_kv_ratio=1.0]"
     assert values[union, "kv_kept_fraction"] == 1.0 and values[union, "kl_nats"] < 1e-6
+
+
+def test_a_selection_per_kv_head_reads_what_its_own_query_group_chose(values):
+    from sglang_ext import attention_trace as at
+    from sglang_ext.policies import build_policy
+
+    assert values["tidal-per-kv-head-128", "kl_nats"] != values["tidal-128", "kl_nats"]
+    policy = build_policy("tidal", {"budget_tokens": 4, "recent_tokens": 1, "sink_tokens": 0})
+    policy = policy.for_model(at.cpu_context(8))
+    roles = policy.layer_roles(8)
+    select, sparse = roles.index(ag.LayerRole.SELECT), roles.index(ag.LayerRole.SPARSE)
+    logits = torch.full((6, 16), -5.0)  # 6 query heads over 2 KV heads, 16 tokens
+    logits[0, 3] = logits[1, 5] = logits[4, 9] = 5.0  # group 0 attends to 3 and 5, group 1 to 9
+    reads = ag.PerKVHeadSelectionReads(policy, 8, kv_heads=2)
+    assert reads.tokens(select, logits) is None  # the selection layer reads everything
+    mask = reads.tokens(sparse, logits)
+    assert mask.shape == (6, 16) and bool((mask.sum(-1) == 4).all())
+    assert torch.equal(mask[0], mask[2]) and torch.equal(mask[3], mask[5])  # one per group
+    assert mask[0, [3, 5, 15]].all() and not mask[0, 9]  # its peaks and the recent token
+    assert mask[3, [9, 15]].all() and not mask[3, [3, 5]].any()
+    # one KV head: every query head reads the shared selection
+    shared = ag.SelectionReads(policy, 8)
+    shared.tokens(select, logits)
+    one = ag.PerKVHeadSelectionReads(policy, 8, kv_heads=1)
+    one.tokens(select, logits)
+    assert one.tokens(sparse, logits)[0].nonzero().flatten().tolist() == sorted(
+        shared.tokens(sparse, logits).tolist()
+    )
 
 
 @pytest.mark.parametrize(
