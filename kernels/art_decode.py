@@ -16,7 +16,11 @@ seq_len-1 down to always_read), or an explicit per-request list of entries (page
 base policy's selection, most important first), as split_kv_decode's ``selected``.
 
 Splits, and why: split s of S reads tiles s, s+S, s+2S... of the order (strided, so every
-split starts near the head of the order) and stops on its own; no program waits for another, so
+split starts near the head of the order) and stops on its own. A split needs 1 + patience tiles
+before it can stop, so a request uses only as many of the launch's splits as hold at least
+``SHARE_PER_STOP`` times that each (``active_splits``; the others read nothing): a short request
+is read by fewer, longer splits that can stop, a long one by all of them. No split waits for
+another; no program waits for another, so
 launches stay graph-safe and parallel, and the splits are merged by log-sum-exp as in any
 split-KV decode (a split that stopped contributes the mass it read). A split alone cannot tell
 that its tiles are negligible next to the others' (its own output, normalised by its own mass,
@@ -37,6 +41,8 @@ import triton.language as tl
 from .split_kv_decode import SplitKVWorkspace, merge_splits
 
 TILE = 32
+# A split's share holds at least this many times the 1 + patience tiles it needs to stop
+SHARE_PER_STOP = 2
 _DOT_IN_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -127,6 +133,7 @@ def _art_stage1(
     PROBE_STRIDE: tl.constexpr,
     COUNT_TILES: tl.constexpr,
     PER_REQUEST: tl.constexpr,
+    SHARE_PER_STOP: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
 ):
     batch = tl.program_id(0).to(tl.int64)
@@ -154,6 +161,9 @@ def _art_stage1(
     else:
         length = seq_len
     num_tiles = tl.cdiv(length, BLOCK_N)
+    # active_splits: fewer, longer splits for a short request, so that they can stop
+    active = tl.minimum(tl.maximum(num_tiles // (SHARE_PER_STOP * (1 + patience)), 1), NUM_SPLITS)
+    active = tl.where(patience > 0, active, NUM_SPLITS)
 
     q = tl.load(
         Q + batch * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -166,7 +176,7 @@ def _art_stage1(
     ref_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
     ref_sum = tl.zeros([BLOCK_H], tl.float32)
     ref_acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    if (split > 0) & (patience > 0) & (num_tiles > split):
+    if (split > 0) & (split < active) & (patience > 0) & (num_tiles > split):
         ref_max, ref_sum, ref_acc = _attend_tile(
             q, K, V, req_row, Order, order_row, 0, length, seq_len, always_read, sm_scale,
             ref_max, ref_sum, ref_acc, kv_head, stride_k_slot, stride_k_head, stride_v_slot,
@@ -181,7 +191,7 @@ def _art_stage1(
     stable = 0
     read = 0
     tile = split
-    go = tile < num_tiles
+    go = (tile < num_tiles) & (split < active)
     while go:
         e_max, e_sum, acc = _attend_tile(
             q, K, V, req_row, Order, order_row, tile, length, seq_len, always_read, sm_scale,
@@ -206,14 +216,14 @@ def _art_stage1(
         stable = tl.where(all_stable, stable + 1, 0)
         prev_x = x
 
-        past_sinks = (tile + NUM_SPLITS) * BLOCK_N >= always_read  # none left in this share
+        past_sinks = (tile + active) * BLOCK_N >= always_read  # none left in this share
         stop = (patience > 0) & (stable >= patience) & past_sinks
-        tile += NUM_SPLITS
+        tile += active
         go = (tile < num_tiles) & (stop == 0)
 
     tl.store(TilesRead + (batch * tl.num_programs(1) + kv_head) * NUM_SPLITS + split, read)
     if COUNT_TILES:
-        share = tl.maximum(num_tiles - split + NUM_SPLITS - 1, 0) // NUM_SPLITS
+        share = tl.where(split < active, tl.maximum(num_tiles - split + active - 1, 0) // active, 0)
         tl.atomic_add(TileCounts, read.to(tl.int64))
         tl.atomic_add(TileCounts + 1, share.to(tl.int64))
     mid = batch * stride_mid_b + heads * stride_mid_h + split * stride_mid_s
@@ -296,10 +306,19 @@ def art_decode(
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=TILE,
         NUM_SPLITS=num_kv_splits, ORDER_SPAN=order_span if explicit else 0,
         PROBE_STRIDE=probe_stride, COUNT_TILES=tile_counts is not None,
-        PER_REQUEST=request_params is not None, DOT_IN_FP32=_DOT_IN_FP32, num_warps=4, num_stages=2,
+        PER_REQUEST=request_params is not None, SHARE_PER_STOP=SHARE_PER_STOP,
+        DOT_IN_FP32=_DOT_IN_FP32, num_warps=4, num_stages=2,
     )  # fmt: skip
     merge_splits(mid_out, mid_lse, out, lse)
     return out, tiles_read
+
+
+def active_splits(num_tiles: int, patience: int, num_splits: int) -> int:
+    """How many of ``num_splits`` splits read a request of ``num_tiles`` tiles: each share holds
+    SHARE_PER_STOP × (1 + patience) tiles or more where it can, all of them when nothing stops."""
+    if patience <= 0:
+        return num_splits
+    return min(max(num_tiles // (SHARE_PER_STOP * (1 + patience)), 1), num_splits)
 
 
 def traversal_positions(
@@ -345,9 +364,8 @@ def art_decode_ref(
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     group = num_q_heads // num_kv_heads
-    splits = num_kv_splits
     out = torch.zeros_like(q)
-    tiles_read = torch.zeros(batch, num_kv_heads, splits, dtype=torch.int32)
+    tiles_read = torch.zeros(batch, num_kv_heads, num_kv_splits, dtype=torch.int32)
     probe = torch.arange(head_dim, device=q.device) % probe_stride == 0
     tiles_in_order = 0
     own = request_params.cpu().tolist() if request_params is not None else None
@@ -360,6 +378,7 @@ def art_decode_ref(
         tiles_in_order += num_tiles * num_kv_heads
         if num_tiles == 0:
             continue
+        splits = active_splits(num_tiles, patience, num_kv_splits)
         per_split = -(-num_tiles // splits)
         # [splits, per_split, TILE]: split s holds tiles s, s + splits, ... (-1: nothing)
         padded = torch.full((per_split * splits * TILE,), -1, device=q.device)
@@ -402,7 +421,7 @@ def art_decode_ref(
                 stop = (patience > 0) & (count >= patience) & past_sinks & ~stopped & tile_exists[:, t]
                 read = torch.where(stop, t + 1, read)
                 stopped |= stop
-            tiles_read[b, g] = read.int()
+            tiles_read[b, g, :splits] = read.int()
             last = (read - 1).clamp_min(0).to(q.device)
             took = read.to(q.device) > 0
             split_mass = mass.gather(2, last.view(1, splits, 1).expand(group, -1, -1))[..., 0] * took

@@ -65,9 +65,26 @@ def test_stops_early_where_later_tiles_carry_no_mass():
     heavy_head_tile(batch)
     (out, tiles), (out_ref, tiles_ref) = run_both(batch, sm_scale, patience=3, always_read=4)
     assert torch.equal(tiles, tiles_ref)
-    # every split of the long requests stops after 1 + patience tiles
-    assert tiles[0].tolist() == [[4] * SPLITS] * 2 and tiles[1].tolist() == [[4] * SPLITS] * 2
-    assert tiles[2].tolist() == [all_tiles(37)] * 2  # too short to stop
+    # every split stops after 1 + patience tiles: all 4 over the 32 tiles of 1000 tokens, 2 over
+    # the 22 of 700 (each split's share at least twice the 4 tiles a stop needs: 8 of 22 read),
+    # and the 2 tiles of 37 tokens, too few to stop, in one split
+    assert tiles[0].tolist() == [[4] * SPLITS] * 2 and tiles[1].tolist() == [[4, 4, 0, 0]] * 2
+    assert tiles[2].tolist() == [[2, 0, 0, 0]] * 2
+    torch.testing.assert_close(out, out_ref, **OUT_TOL[torch.float16])
+    full, _ = selection_attention_ref(**batch, sm_scale=sm_scale)
+    torch.testing.assert_close(out, full, **OUT_TOL[torch.float16])
+
+
+def test_a_request_shorter_than_all_splits_stop_needs_can_stop():
+    """8 splits at patience 5 need 8 × 6 tiles (1536 tokens) before each could stop; a request of
+    1000 tokens (32 tiles) is read by 2 splits of 16 tiles instead, which stop after 6."""
+    batch, sm_scale = cache()
+    heavy_head_tile(batch)
+    params = {**ART, "num_kv_splits": 8, "patience": 5, "always_read": 4}
+    out, tiles = art_decode(**batch, sm_scale=sm_scale, **params)
+    out_ref, tiles_ref = art_decode_ref(**batch, sm_scale=sm_scale, **params)
+    assert torch.equal(tiles.cpu(), tiles_ref)
+    assert tiles[0].tolist() == [[6, 6, 0, 0, 0, 0, 0, 0]] * 2  # 12 of 32 tiles read
     torch.testing.assert_close(out, out_ref, **OUT_TOL[torch.float16])
     full, _ = selection_attention_ref(**batch, sm_scale=sm_scale)
     torch.testing.assert_close(out, full, **OUT_TOL[torch.float16])
