@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 
 import torch
@@ -50,7 +51,8 @@ def variant(text: str) -> tuple[str, dict]:
             f"expected delta:KEY=VALUE,..., tidal:... or lethe:..., got {text!r}"
         )
     params = {}
-    for assignment in assignments.split(","):
+    # a comma starts the next KEY=VALUE only where one follows: a list value keeps its commas
+    for assignment in re.split(r",(?=\s*[A-Za-z_]\w*=)", assignments):
         key, equals, value = assignment.partition("=")
         if not equals:
             raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {assignment!r}")

@@ -94,6 +94,11 @@ def test_a_selection_per_kv_head_reads_what_its_own_query_group_chose(values):
     )
 
 
+def test_a_variant_may_set_a_list_beside_other_parameters():
+    name, params = agreement.variant("tidal:selection_layers=[2, 9, 17],sink_tokens=0")
+    assert name == "tidal" and params == {"selection_layers": [2, 9, 17], "sink_tokens": 0}
+
+
 @pytest.mark.parametrize(
     "text, message",
     [("tidal:sink_tokens", "expected KEY=VALUE"), ("art:tau=1", "expected delta:"),
