@@ -19,9 +19,8 @@ Splits, and why: split s of S reads tiles s, s+S, s+2S... of the order (strided,
 split starts near the head of the order) and stops on its own. A split needs 1 + patience tiles
 before it can stop, so a request uses only as many of the launch's splits as hold at least
 ``SHARE_PER_STOP`` times that each (``active_splits``; the others read nothing): a short request
-is read by fewer, longer splits that can stop, a long one by all of them. No split waits for
-another; no program waits for another, so
-launches stay graph-safe and parallel, and the splits are merged by log-sum-exp as in any
+is read by fewer, longer splits that can stop, a long one by all of them. No program waits for
+another, so launches stay graph-safe and parallel, and the splits are merged by log-sum-exp as in any
 split-KV decode (a split that stopped contributes the mass it read). A split alone cannot tell
 that its tiles are negligible next to the others' (its own output, normalised by its own mass,
 keeps moving), so its probe is taken on its output merged with the head tile of the order (tile
