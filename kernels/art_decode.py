@@ -20,8 +20,8 @@ split starts near the head of the order) and stops on its own. A split needs 1 +
 before it can stop, so a request uses only as many of the launch's splits as hold at least
 ``SHARE_PER_STOP`` times that each (``active_splits``; the others read nothing): a short request
 is read by fewer, longer splits that can stop, a long one by all of them. No program waits for
-another, so launches stay graph-safe and parallel, and the splits are merged by log-sum-exp as in any
-split-KV decode (a split that stopped contributes the mass it read). A split alone cannot tell
+another, so launches stay graph-safe and parallel, and the splits are merged by log-sum-exp as
+in any split-KV decode (a split that stopped contributes the mass it read). A split alone cannot tell
 that its tiles are negligible next to the others' (its own output, normalised by its own mass,
 keeps moving), so its probe is taken on its output merged with the head tile of the order (tile
 0: the sinks and most recent tokens, or the most important entries), which every split s > 0
