@@ -21,11 +21,11 @@ before it can stop, so a request uses only as many of the launch's splits as hol
 ``SHARE_PER_STOP`` times that each (``active_splits``; the others read nothing): a short request
 is read by fewer, longer splits that can stop, a long one by all of them. No program waits for
 another, so launches stay graph-safe and parallel, and the splits are merged by log-sum-exp as
-in any split-KV decode (a split that stopped contributes the mass it read). A split alone cannot tell
-that its tiles are negligible next to the others' (its own output, normalised by its own mass,
-keeps moving), so its probe is taken on its output merged with the head tile of the order (tile
-0: the sinks and most recent tokens, or the most important entries), which every split s > 0
-reads once more for that purpose only: the probe's mass is then at most the whole traversal's,
+in any split-KV decode (a split that stopped contributes the mass it read). A split alone
+cannot tell that its tiles are negligible next to the others' (its own output, normalised by its
+own mass, keeps moving), so its probe is taken on its output merged with the head tile of the
+order (tile 0: the sinks and most recent tokens, or the most important entries), which every
+split s > 0 reads once more for that purpose only: the probe's mass is then at most the whole traversal's,
 so a tile's measured change over-estimates its change to the final output (conservative), and
 splits whose tiles carry no mass next to the head stop after ``patience`` tiles. All query heads
 of a KV group share their tiles, so a program stops only when all of its heads are stable.
