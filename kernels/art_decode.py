@@ -15,20 +15,20 @@ Traversal order: implicit recent-first over the whole cache (positions 0 .. alwa
 seq_len-1 down to always_read), or an explicit per-request list of entries (pages or tokens of a
 base policy's selection, most important first), as split_kv_decode's ``selected``.
 
-Splits, and why: split s of S reads tiles s, s+S, s+2S... of the order (strided, so every
-split starts near the head of the order) and stops on its own. A split needs 1 + patience tiles
-before it can stop, so a request uses only as many of the launch's splits as hold at least
-``SHARE_PER_STOP`` times that each (``active_splits``; the others read nothing): a short request
-is read by fewer, longer splits that can stop, a long one by all of them. No program waits for
-another, so launches stay graph-safe and parallel, and the splits are merged by log-sum-exp as
-in any split-KV decode (a split that stopped contributes the mass it read). A split alone
-cannot tell that its tiles are negligible next to the others' (its own output, normalised by its
-own mass, keeps moving), so its probe is taken on its output merged with the head tile of the
-order (tile 0: the sinks and most recent tokens, or the most important entries), which every
-split s > 0 reads once more for that purpose only: the probe's mass is then at most the whole traversal's,
-so a tile's measured change over-estimates its change to the final output (conservative), and
-splits whose tiles carry no mass next to the head stop after ``patience`` tiles. All query heads
-of a KV group share their tiles, so a program stops only when all of its heads are stable.
+Splits, and why: split s of S reads tiles s, s+S, s+2S... of the order (strided, so every split
+starts near the head of the order) and stops on its own. A split needs 1 + patience tiles before it
+can stop, so a request uses only as many of the launch's splits as hold at least ``SHARE_PER_STOP``
+times that each (``active_splits``; the others read nothing): a short request is read by fewer,
+longer splits that can stop, a long one by all of them. No program waits for another, so launches
+stay graph-safe and parallel, and the splits are merged by log-sum-exp as in any split-KV decode (a
+split that stopped contributes the mass it read). A split alone cannot tell that its tiles are
+negligible next to the others' (its own output, normalised by its own mass, keeps moving), so its
+probe is taken on its output merged with the head tile of the order (tile 0: the sinks and most
+recent tokens, or the most important entries), which every split s > 0 reads once more for that
+purpose only: the probe's mass is then at most the whole traversal's, so a tile's measured change
+over-estimates its change to the final output (conservative), and splits whose tiles carry no mass
+next to the head stop after ``patience`` tiles. All query heads of a KV group share their tiles, so
+a program stops only when all of its heads are stable.
 """
 
 import os
