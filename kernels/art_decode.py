@@ -162,7 +162,8 @@ def _art_stage1(
     num_tiles = tl.cdiv(length, BLOCK_N)
     # active_splits: fewer, longer splits for a short request, so that they can stop
     active = tl.minimum(tl.maximum(num_tiles // (SHARE_PER_STOP * (1 + patience)), 1), NUM_SPLITS)
-    active = tl.where(patience > 0, active, NUM_SPLITS)
+    # int32 like the split id: a loop-carried tile must keep one type (int64 seq_lens made it 64)
+    active = tl.where(patience > 0, active, NUM_SPLITS).to(tl.int32)
 
     q = tl.load(
         Q + batch * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],

@@ -111,14 +111,19 @@ def retained_decode_ref(
     scores: torch.Tensor,
     sm_scale: float,
     gamma: float,
+    state_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch oracle of retained_decode (and the CPU engine's path): per request, fp32."""
-    out = torch.empty_like(q)
-    for b, row in enumerate(req_pool_indices.tolist()):
+    """Torch oracle of retained_decode (and the CPU engine's path): per request, fp32; an entry
+    whose state row holds nothing (padding) gets zeros."""
+    out = torch.zeros_like(q)
+    rows = req_pool_indices if state_rows is None else state_rows
+    for b, (row, slots_row) in enumerate(zip(rows.tolist(), req_pool_indices.tolist())):
         n = int(count[row])
+        if n == 0:
+            continue
         kept = positions[row, :n].long()
         out_b, logits = attend_positions_ref(
-            q[b], k_buffer, v_buffer, req_to_token[row, kept].long(), sm_scale
+            q[b], k_buffer, v_buffer, req_to_token[slots_row, kept].long(), sm_scale
         )
         out[b] = out_b.to(q.dtype)
         received = torch.softmax(logits, dim=-1).sum(dim=0)

@@ -1,6 +1,7 @@
-"""Soak: a CPU server under ``--policy lethe`` with rounds from ``--evict-threshold`` tokens, its
-KV conservation checks strict, loaded by locust (loadtest/locustfile.py: streaming /generate and
-chat, a mix of per-request policies, a fraction of /generate requests aborted on purpose) for
+"""Soak: a CPU server of several policies (``--policy lethe,delta,tidal,full``: Lethe with rounds
+from ``--evict-threshold`` tokens, DELTA and Tidal at budgets the prompts pass), its KV
+conservation checks strict, loaded by locust (loadtest/locustfile.py: streaming /generate and
+chat, each request one of the policies, a fraction of /generate requests aborted on purpose) for
 ``--duration``; then it must be idle with an exact pool, healthy, its log free of leaks and
 tracebacks, and no request may have failed that was not aborted on purpose.
 
@@ -25,8 +26,14 @@ from loadtest import driver
 from sglang_ext.engine_process import EngineServer, engine_env, free_port
 
 HERE = Path(__file__).resolve().parent
-KV_POLICIES = [None, {"name": "full"}, {"recent_ratio": 0.5, "evict_threshold": 96}]
+POLICY = "lethe,delta,tidal,full"
+# per request, one of (None: the server's first, Lethe at its settings)
+KV_POLICIES = [
+    None, {"name": "full"}, {"name": "lethe", "recent_ratio": 0.5, "evict_threshold": 96},
+    {"name": "delta"}, {"name": "tidal", "budget_tokens": 32},
+]  # fmt: skip
 ROUND = re.compile(r"lethe round \d+ of")
+SELECTED = re.compile(r"sglang_ext: (\w+) layer \d+ first selected fewer")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def policy_config(evict_threshold: int) -> dict:
+    return {
+        "lethe": {"evict_threshold": evict_threshold},
+        "delta": {"budget_pages": 4, "recent_pages": 1}, "tidal": {"budget_tokens": 64},
+    }  # fmt: skip
+
+
 def run(args) -> dict:
     if not args.locust:
         raise SystemExit("--locust: no locust executable (pip install locust, or pass its path)")
@@ -52,8 +66,8 @@ def run(args) -> dict:
     env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] = "1"
     env["OMP_NUM_THREADS"] = "1"
     argv = [
-        sys.executable, "-m", "sglang_ext.launch", "--policy", "lethe",
-        "--policy-config", json.dumps({"evict_threshold": args.evict_threshold}),
+        sys.executable, "-m", "sglang_ext.launch", "--policy", POLICY,
+        "--policy-config", json.dumps(policy_config(args.evict_threshold)),
         "--port", str(port), "--dtype", "float32", "--enable-metrics", "--log-level", "info",
     ]  # fmt: skip
     log_path = args.out_dir / "server.log"
@@ -67,12 +81,13 @@ def run(args) -> dict:
     summary = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "duration": args.duration, "load_seconds": round(loaded_s, 1), "users": args.users,
-        "abort_fraction": args.abort_fraction, "kv_policies": KV_POLICIES,
+        "abort_fraction": args.abort_fraction, "policy": POLICY, "kv_policies": KV_POLICIES,
         "evict_threshold": args.evict_threshold,
         "requests": sum(v["requests"] for v in requested.values()),
         "failed": sum(v["failures"] for v in requested.values()),
         "aborted_on_purpose": sum(v["requests"] for k, v in totals.items() if "ABORTED" in k),
         "eviction_rounds": len(ROUND.findall(after["log"])),
+        "selected": sorted(set(SELECTED.findall(after["log"]))),  # policies whose budget bit
         "healthy_after": after["healthy_after"],
         "leak_or_traceback_in_log": after["leak_or_traceback_in_log"],
         "entries": totals,
@@ -86,14 +101,15 @@ def run(args) -> dict:
 
 
 def results_section(summary: dict, command: str) -> str:
-    keys = ["requests", "failed", "aborted_on_purpose", "eviction_rounds", "healthy_after",
+    keys = ["requests", "failed", "aborted_on_purpose", "eviction_rounds", "selected", "healthy_after",
             "leak_or_traceback_in_log", "passed"]  # fmt: skip
     return "\n".join([
-        f"## soak · lethe · CPU ({os.cpu_count()} cores) · {summary['date']}", "",
+        f"## soak · {summary['policy']} · CPU ({os.cpu_count()} cores) · {summary['date']}", "",
         f"- command: `{command}`",
         f"- {summary['users']} locust users for {summary['duration']} ({summary['load_seconds']} s), "
         f"{summary['abort_fraction']:.0%} of /generate aborted on purpose, per-request kv_policy mix "
-        f"{json.dumps(summary['kv_policies'])}, lethe evict_threshold {summary['evict_threshold']}, "
+        f"{json.dumps(summary['kv_policies'])}, policy config "
+        f"{json.dumps(policy_config(summary['evict_threshold']))}, "
         "SGLang's strict KV checks on",
         "", "| " + " | ".join(keys) + " |", "|" + " ---: |" * len(keys),
         "| " + " | ".join(str(summary[k]) for k in keys) + " |", "",

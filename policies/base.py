@@ -24,6 +24,8 @@ class PolicyConfigError(ValueError):
 # forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs) -> attention output
 DecodeFn = Callable[..., Any]
 
+FULL = "full"  # the name a request that opted out of the served policy decodes under
+
 
 @dataclasses.dataclass(frozen=True)
 class RankGroup:
@@ -134,6 +136,14 @@ class KVPolicy:
     def validate_request(self, chosen: KVPolicy) -> None:
         """Raise PolicyConfigError(field, ...) where a request's own parameters (``chosen``:
         this policy with them) do not fit what the server set up for this one."""
+
+    def request_choices(self) -> dict[str, KVPolicy | None]:
+        """The policies a request may name (``custom_params.kv_policy.name``), the first the one a
+        request naming none decodes under: this one, and full attention (None) where it allows
+        opting out."""
+        if self.request_opt_out and self.name != FULL:
+            return {self.name: self, FULL: None}
+        return {self.name: self}
 
     def request_values(self, chosen: KVPolicy | None) -> tuple[float, ...]:
         """The values the decode kernels read per request (DecodeContext.request_values) for a

@@ -30,6 +30,10 @@ def policy_class(name: str) -> type[KVPolicy]:
 
 
 def build_policy(name: str, params: Mapping[str, Any] | None = None) -> KVPolicy:
+    if "," in name:  # several, each request choosing one: A,B,...
+        from sglang_ext.policies.mix import build_mix
+
+        return build_mix(name, dict(params or {}), build_policy)
     if "+" in name:  # a composition: BASE+art
         from sglang_ext.policies.art import compose
 

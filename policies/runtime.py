@@ -27,11 +27,9 @@ from typing import Any
 
 import torch
 
-from sglang_ext.policies.base import DecodeContext, DecodeFn, KVPolicy
+from sglang_ext.policies.base import FULL, DecodeContext, DecodeFn, KVPolicy
 
 logger = logging.getLogger(__name__)
-
-FULL = "full"  # the name a request that opted out of the served policy decodes under
 
 
 @dataclasses.dataclass
@@ -63,6 +61,7 @@ class StepRequest:
     prompt_len: int
     output_ids: Sequence[int]  # generated so far, as known on the host
     protected_len: int  # its first positions owned by the radix cache: never freed under it
+    index: int = 0  # its position in the batch (a runtime may see only some of the batch's)
 
 
 @dataclasses.dataclass(slots=True)
@@ -90,7 +89,8 @@ class StepPlan:
     requests: list[StepRequest]
     rounds: list[StepRequest] = dataclasses.field(default_factory=list)  # due for eviction
     correction: Any = None  # sglang_ext.cache_correction.CorrectionPlan
-    request_values: torch.Tensor | None = None  # prefill: rows of ctx.request_values, on the host
+    # prefill: (request slots, their rows of ctx.request_values), on the host
+    request_values: tuple[torch.Tensor, torch.Tensor] | None = None
     batch_tokens: int = 0  # decode: the tokens its requests hold (a shared prefix per request)
 
 
@@ -145,8 +145,8 @@ class PolicyRuntime:
             fits = [reserve(plan.batch_tokens) for reserve in self.ctx.step_reservations]
             self.graphable = all(fits)
         if plan.request_values is not None:  # a prefill: its requests' own decode values
-            table = self.ctx.request_values
-            table[forward_batch.req_pool_indices] = plan.request_values.to(table.device)
+            table, (rows, values) = self.ctx.request_values, plan.request_values
+            table[rows.to(table.device)] = values.to(table.device)
         if plan.correction is not None:
             engine.rerun_extend(plan.correction, forward_batch)
             if self.stats.corrections == 0:
@@ -181,8 +181,9 @@ class PolicyRuntime:
         name = FULL if state.policy is None else self.policy.name
         return RequestReport(name, held, state.evicted, attended)
 
-    def _request_values(self, requests: list[StepRequest]) -> torch.Tensor | None:
+    def _request_values(self, requests: list[StepRequest]):
         if self.ctx.request_values is None or not requests:
             return None
         values = [self.policy.request_values(r.state.policy) for r in requests]
-        return torch.tensor(values, dtype=self.ctx.request_values.dtype)
+        rows = torch.tensor([r.row for r in requests], dtype=torch.int64)
+        return rows, torch.tensor(values, dtype=self.ctx.request_values.dtype)

@@ -11,11 +11,16 @@ from sglang_ext.policies.art import Art, ArtOver
 
 def policy_info(policy: KVPolicy) -> dict[str, Any]:
     """What ``GET /policy`` answers: the policy served, its parameters' schema, what a request
-    may choose for itself (sglang_ext.request_policy), the names a ``--policy`` may take."""
+    may choose for itself (sglang_ext.request_policy: the policies it may name, the first its
+    default, each with the parameters it may set), the names a ``--policy`` may take."""
+    choices = policy.request_choices()
     return {
         "policy": policy.describe(),
         "parameters": policy.schema(),
-        "per_request": {"parameters": list(policy.request_params), "full": policy.request_opt_out},
+        "per_request": {
+            "parameters": list(policy.request_params), "full": policy.request_opt_out,
+            "policies": {name: list(p.request_params) if p else [] for name, p in choices.items()},
+        },  # fmt: skip
         "available": [*policy_names(), *(f"{base}+{Art.name}" for base in ArtOver.COMPOSABLE)],
     }
 

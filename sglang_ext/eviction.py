@@ -29,6 +29,7 @@ the same tokens, as one rank with all the heads would, and checks that it does.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 
@@ -55,10 +56,11 @@ class LetheRequest:
 
 @dataclasses.dataclass(frozen=True)
 class _Extending:
-    """The prefill batch being run, from the host: its rows and lengths."""
+    """The prefill being run, from the host: its requests' rows, lengths and batch positions."""
 
     rows: list[int]
     seq_lens: list[int]
+    indices: list[int]
 
 
 class LetheRuntime(PolicyRuntime):
@@ -81,7 +83,7 @@ class LetheRuntime(PolicyRuntime):
             logits_shape = (ctx.max_batch_size, ctx.num_q_heads, cap)
             self._logits = torch.empty(logits_shape, dtype=torch.float32, device=ctx.device)
             self._workspace = ctx.split_workspace(cap)
-        self._extending = _Extending([], [])
+        self._extending = _Extending([], [], [])
         super().__init__(policy, ctx)
         self.decode_fns = [self._decode] * ctx.num_layers
         size_gb = (self.positions.nbytes + self.scores.nbytes) / 2**30
@@ -115,12 +117,15 @@ class LetheRuntime(PolicyRuntime):
 
     def run_plan(self, plan: StepPlan, forward_batch, engine: EngineOps) -> None:
         super().run_plan(plan, forward_batch, engine)
-        if not plan.decode:
-            self.reset_rows(forward_batch.req_pool_indices, forward_batch.seq_lens)
+        if not plan.decode:  # its requests only: under a policy mix the batch holds others
+            indices = [r.index for r in plan.requests]
+            at = torch.tensor(indices, dtype=torch.int64, device=forward_batch.seq_lens.device)
+            self.reset_rows(forward_batch.req_pool_indices[at], forward_batch.seq_lens[at])
             self._extending = _Extending(
-                [r.row for r in plan.requests], [r.seq_len for r in plan.requests]
+                [r.row for r in plan.requests], [r.seq_len for r in plan.requests], indices
             )
             return
+        self._extending = _Extending([], [], [])  # an extend without a prefill plan seeds nothing
         started = time.perf_counter()
         for request in plan.rounds:  # positions before the token being decoded
             self.prune(request, request.seq_len - 1, engine)
@@ -184,7 +189,9 @@ class LetheRuntime(PolicyRuntime):
                 state_rows=self.state_rows[: q.shape[0]], workspace=self._workspace,
             )  # fmt: skip
         else:
-            out = rasr.retained_decode_ref(*args, layer.scaling, self.policy.decay)
+            out = rasr.retained_decode_ref(
+                *args, layer.scaling, self.policy.decay, self.state_rows[: q.shape[0]]
+            )
         return out.view(q.shape[0], -1)
 
     def reset_rows(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
@@ -204,25 +211,25 @@ class LetheRuntime(PolicyRuntime):
         from sglang_ext.kernels import rasr
 
         window = self.policy.observation_window
-        if window == 0 or forward_batch.extend_seq_lens_cpu is None:
+        if window == 0 or forward_batch.extend_seq_lens_cpu is None or not self._extending.rows:
             return
         lid, ranks = layer.layer_id, self.ctx.ranks
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         k_buffer = self.ctx.kv_pool.get_key_buffer(lid)
-        extending = list(zip(
-            self._extending.rows, self._extending.seq_lens, forward_batch.extend_seq_lens_cpu,
-            strict=True,
-        ))  # fmt: skip
-        sums, start = [], 0
-        for row, seq_len, extend_len in extending:
-            n = min(window, extend_len)
-            queries = q[start + extend_len - n : start + extend_len]
-            start += extend_len
+        extend_lens = forward_batch.extend_seq_lens_cpu
+        ends = list(itertools.accumulate(extend_lens))
+        extending = [
+            (row, seq_len, extend_lens[i], ends[i])
+            for row, seq_len, i in zip(*dataclasses.astuple(self._extending), strict=True)
+        ]
+        sums = []
+        for row, seq_len, extend_len, end in extending:
+            queries = q[end - min(window, extend_len) : end]
             slots = self.ctx.req_to_token[row, :seq_len].long()
             sums.append(rasr.window_scores(queries, k_buffer[slots], seq_len, layer.scaling))
         if ranks is not None:
-            sums = ranks.sum(torch.cat(sums)).split([seq_len for _, seq_len, _ in extending])
-        for (row, seq_len, _), received in zip(extending, sums, strict=True):
+            sums = ranks.sum(torch.cat(sums)).split([seq_len for _, seq_len, _, _ in extending])
+        for (row, seq_len, _, _), received in zip(extending, sums, strict=True):
             seed = rasr.pool_neighbours(received, self.policy.observation_pool)
             self.scores[lid, row, :seq_len] = seed if ranks is None else seed / ranks.size
 

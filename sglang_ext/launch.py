@@ -30,12 +30,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a model with SGLang and a sglang_ext KV-cache policy.",
         epilog="Every other flag goes to SGLang's server (python -m sglang.launch_server --help).",
     )
-    parser.add_argument("--policy", default="full", help=f"KV policy: {', '.join(policy_names())}")
+    parser.add_argument(
+        "--policy", default="full",
+        help=f"KV policy: {', '.join(policy_names())}; BASE+art; or several, A,B,...: each request "
+        "names its own (custom_params.kv_policy.name), the first by default",
+    )  # fmt: skip
     parser.add_argument(
         "--policy-config",
         default=None,
         metavar="JSON|@FILE",
-        help="policy parameters as a JSON object, or @path to a JSON file",
+        help="policy parameters as a JSON object, or @path to a JSON file; for several "
+        'policies, each one\'s under its name: {"delta": {...}, "lethe": {...}}',
     )
     parser.add_argument(
         "--max-request-bytes",

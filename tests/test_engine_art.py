@@ -113,6 +113,11 @@ def test_the_policy_endpoint_describes_the_served_policy(servers):
     assert info["parameters"]["budget_pages"] == {"type": "int", "default": 64}
     assert info["parameters"]["art"]["patience"] == {"type": "int", "default": 5}
     assert {"lethe", "art", "tidal+art"} <= set(info["available"])
-    assert info["per_request"] == {"parameters": [], "full": False}  # a composition: server-wide
+    assert info["per_request"] == {  # a composition: server-wide
+        "parameters": [], "full": False, "policies": {"delta+art": []},
+    }  # fmt: skip
     art = requests.get(f"{servers['art'].url}/policy", timeout=30).json()
-    assert art["per_request"] == {"parameters": ["tau", "phi", "patience"], "full": True}
+    assert art["per_request"] == {
+        "parameters": ["tau", "phi", "patience"], "full": True,
+        "policies": {"art": ["tau", "phi", "patience"], "full": []},
+    }  # fmt: skip

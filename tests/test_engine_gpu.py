@@ -47,7 +47,12 @@ CONFIGS = {
     "delta_small": ("delta", {"budget_pages": 4, "recent_pages": 1}, ON_FLASHINFER),
     "tidal_small": ("tidal", {"budget_tokens": 64}, ON_FLASHINFER),
     "lethe": ("lethe", {"evict_threshold": THRESHOLD, "max_kv_ratio": MAX_KV_RATIO}, []),
-}
+    # every request its own policy, in one batch (policies/mix.py)
+    "mix": ("lethe,delta,tidal,full", {
+        "lethe": {"evict_threshold": THRESHOLD, "max_kv_ratio": MAX_KV_RATIO},
+        "delta": {"budget_pages": 4, "recent_pages": 1}, "tidal": {"budget_tokens": 64},
+    }, ON_FLASHINFER),
+}  # fmt: skip
 # GPU_TIER_CONFIGS=delta,lethe starts only those (and vanilla): a quick re-run of their tests
 if os.environ.get("GPU_TIER_CONFIGS"):
     CONFIGS = {name: CONFIGS[name] for name in os.environ["GPU_TIER_CONFIGS"].split(",")}
@@ -213,3 +218,35 @@ def test_a_batch_holding_more_than_the_pool_decodes_eagerly_and_alike(servers, m
     decodes = [line for line in lines if "Decode batch" in line]
     assert any("cuda graph: False" in line for line in decodes), decodes
     assert_exact_and_healthy(server)
+
+
+@pytest.mark.skipif("mix" not in CONFIGS, reason="GPU_TIER_CONFIGS leaves the mix out")
+def test_a_batch_of_four_policies_decodes_each_row_under_its_own(servers):
+    # Each single-policy server decodes the same four prompts (one batch shape for every row);
+    # DELTA's and Tidal's rows match theirs on the same base (FlashInfer). Lethe's and full's
+    # single servers decode on fa3: their rows are checked by what they did (the CPU tier
+    # compares all four, tests/test_engine_mix.py).
+    members = ["lethe", "delta", "tidal", "full"]
+    texts = [LONG_PROMPT.replace("fact 2", f"fact {k}") for k in (2, 3, 4, 5)]
+    sampling = {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}
+
+    def batch(server, policies):
+        params = [
+            {**sampling, **({"custom_params": {"kv_policy": {"name": p}}} if p else {})}
+            for p in policies
+        ]  # fmt: skip
+        body = {"text": texts, "sampling_params": params}
+        response = requests.post(f"{server.url}/generate", json=body, timeout=600)
+        response.raise_for_status()
+        return response.json()
+
+    mixed = batch(servers["mix"], members)
+    assert [m["meta_info"]["kv_policy"][-1] for m in mixed] == members
+    for i, name in ((1, "delta_small"), (2, "tidal_small")):
+        alone = batch(servers[name], [None] * 4)
+        assert mixed[i]["output_ids"] == alone[i]["output_ids"], name
+    lethe, *others = (m["meta_info"] for m in mixed)
+    assert lethe["kv_evicted_tokens"][-1] > 0 and lethe["completion_tokens"] == 48
+    assert all(meta["kv_evicted_tokens"][-1] == 0 for meta in others)
+    assert others[0]["kv_attended_tokens"][-1] < 0.8 * others[0]["prompt_tokens"]  # DELTA's pages
+    assert_exact_and_healthy(servers["mix"])

@@ -1,6 +1,6 @@
-"""CI's soak: loadtest.soak for one minute (locust against a lethe CPU server with rounds, aborts
-and a mix of per-request policies; strict KV checks): no request failed that was not aborted on
-purpose, and the server is idle, healthy, leak-free afterwards. The 10-minute run is in
+"""CI's soak: loadtest.soak for one minute (locust against a lethe,delta,tidal,full CPU server,
+each request one of them, with rounds, selections and aborts; strict KV checks): no request
+failed that was not aborted on purpose, and the server is idle, healthy, leak-free afterwards. The 10-minute run is in
 benchmarks/RESULTS.md."""
 
 import json
@@ -21,3 +21,4 @@ def test_a_minute_of_load_with_aborts_and_eviction(tmp_path):
     assert exit_.value.code == 0, summary
     assert summary["failed"] == 0 and summary["requests"] >= 10
     assert summary["aborted_on_purpose"] >= 1 and summary["eviction_rounds"] >= 1
+    assert summary["selected"] == ["delta", "tidal"]  # their requests shared the batches

@@ -41,7 +41,7 @@ def step(cache, runtime, row_index, own="served"):
     return StepRequest(
         state=state, rid=f"r{row_index}", row=int(cache.batch.req_pool_indices[row_index]),
         seq_len=int(cache.batch.seq_lens[row_index]), prompt_len=8, output_ids=[],
-        protected_len=0,
+        protected_len=0, index=row_index,
     )  # fmt: skip
 
 

@@ -31,8 +31,8 @@ def own_policy(served: KVPolicy, req) -> KVPolicy | None:
     try:
         own = request_policy(served, req.sampling_params.custom_params)
     except PolicyConfigError as err:
-        logger.warning("sglang_ext: request %s: %s; serving %s", req.rid, err, served.name)
-        own = served
+        own = next(iter(served.request_choices().values()))
+        logger.warning("sglang_ext: request %s: %s; serving %s", req.rid, err, own.name)
     setattr(req, _OWN, (served, own))
     return own
 
@@ -58,7 +58,7 @@ def mark_evicted(req) -> None:
 def step_requests(runtime: PolicyRuntime, reqs, seq_lens: list[int]) -> list[StepRequest]:
     """The batch's requests as the runtime sees them this step, one per request, in order."""
     out = []
-    for req, seq_len in zip(reqs, seq_lens, strict=True):
+    for index, (req, seq_len) in enumerate(zip(reqs, seq_lens, strict=True)):
         state = getattr(req, _STATE, None)
         if state is None:  # every request is prefilled under the policy; never here
             begin_prefill(runtime, req)
@@ -67,7 +67,7 @@ def step_requests(runtime: PolicyRuntime, reqs, seq_lens: list[int]) -> list[Ste
             StepRequest(
                 state=state, rid=req.rid, row=req.req_pool_idx, seq_len=seq_len,
                 prompt_len=len(req.origin_input_ids), output_ids=req.output_ids,
-                protected_len=req.cache_protected_len,
+                protected_len=req.cache_protected_len, index=index,
             )
         )  # fmt: skip
     return out

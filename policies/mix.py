@@ -1,0 +1,279 @@
+"""A server of several policies (``--policy lethe,delta,tidal,full``): each request decodes under
+the one it names (``custom_params.kv_policy.name``, the first by default), with its own
+parameters, and requests of different policies share one decode batch and its CUDA graph.
+
+Each member policy keeps its own runtime (its decode functions, buffers, request state and
+rounds), built on a copy of the backend's context. A decode step gives every member a view of the
+whole batch in which the other members' requests are one token long
+(``MemberView``): its kernels run once over the batch, read, score and select almost nothing for
+those rows, and its output for them is dropped. Per layer the members' outputs are merged by each
+row's member (masks made once per step on the device; no host sync); members that run the
+engine's own full attention at a layer share one call of it, with the real batch. So a row costs
+what it costs under its own policy, plus a launch per member and layer; a layer where a member
+attends fully (``full``, DELTA's and Tidal's first layers) runs the engine's full attention over
+the whole batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from sglang_ext.policies.base import DecodeContext, DecodeFn, KVPolicy, PolicyConfigError
+from sglang_ext.policies.runtime import (
+    EngineOps,
+    PolicyRuntime,
+    RequestReport,
+    RequestState,
+    RuntimeStats,
+    StepPlan,
+    StepRequest,
+)
+
+SEPARATOR = ","
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyMix(KVPolicy):
+    """Several policies served together; the first is a request's default."""
+
+    members: tuple[KVPolicy, ...]
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return SEPARATOR.join(m.name for m in self.members)
+
+    def validate(self) -> None:
+        names = [m.name for m in self.members]
+        if len(names) < 2:
+            raise PolicyConfigError("policy", "a mix lists at least two policies")
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise PolicyConfigError("policy", f"lists {', '.join(repeated)} twice")
+
+    def request_choices(self) -> dict[str, KVPolicy | None]:
+        return {m.name: m for m in self.members}
+
+    def for_model(self, ctx: DecodeContext) -> PolicyMix:
+        return dataclasses.replace(self, members=tuple(m.for_model(ctx) for m in self.members))
+
+    def runtime(self, ctx: DecodeContext) -> MixRuntime:
+        return MixRuntime(self, ctx)
+
+    def evicts(self) -> bool:
+        return any(m.evicts() for m in self.members)
+
+    def reads_tiles(self) -> bool:
+        return any(m.reads_tiles() for m in self.members)
+
+    def server_defaults(self) -> dict[str, str | None]:
+        defaults: dict[str, str | None] = {}
+        for member in self.members:
+            defaults.update(member.server_defaults())
+        return defaults
+
+    def attended_tokens(self, seq_len: int, num_layers: int) -> float:
+        return self.members[0].attended_tokens(seq_len, num_layers)
+
+    def budget(self) -> str:
+        return "; ".join(f"{m.name}: {m.budget()}" for m in self.members if m.budget())
+
+    def schema(self) -> dict[str, Any]:
+        return {m.name: m.schema() for m in self.members}
+
+    def describe(self) -> dict[str, Any]:
+        own = {m.name: {k: v for k, v in m.describe().items() if k != "name"} for m in self.members}
+        return {"name": self.name, **own}
+
+
+def build_mix(name: str, params: dict[str, Any], build) -> PolicyMix:
+    """``A,B,...`` from its parameters: each member's under its name."""
+    names = name.split(SEPARATOR)
+    unknown = [key for key in params if key not in names]
+    if unknown:
+        raise PolicyConfigError(unknown[0], f"not a policy of {name}: a mix's parameters go "
+                                "under each policy's name", names)  # fmt: skip
+    members = []
+    for member in names:
+        own = params.get(member, {})
+        if not isinstance(own, dict):
+            raise PolicyConfigError(member, f"expected an object of {member}'s parameters")
+        members.append(build(member, own))
+    return PolicyMix(members=tuple(members))
+
+
+class MemberView:
+    """A decode batch as one member of a mix sees it: its own rows as they are, every other row
+    one token long; everything else is the batch's."""
+
+    __slots__ = ("_batch", "seq_lens")
+
+    def __init__(self, batch, seq_lens: torch.Tensor):
+        self._batch, self.seq_lens = batch, seq_lens
+
+    def __getattr__(self, name: str):
+        return getattr(self._batch, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class MixPlan(StepPlan):
+    parts: tuple[StepPlan, ...] = ()  # each member's plan for its own requests
+
+
+@dataclasses.dataclass(frozen=True)
+class _LayerGroup:
+    decode: DecodeFn
+    members: tuple[int, ...]
+    engine_full: bool  # the engine's own full attention: called with the real batch
+    mask: int  # row of MixRuntime.group_masks: the rows whose output this call gives
+
+
+class MixRuntime(PolicyRuntime):
+    """The members' runtimes in one attention backend, each request routed to its member's."""
+
+    def __init__(self, policy: PolicyMix, ctx: DecodeContext):
+        self.policy, self.ctx = policy, ctx
+        self.index = {m.name: i for i, m in enumerate(policy.members)}
+        self.members = [m.runtime(self._member_context(m, ctx)) for m in policy.members]
+        rows = ctx.req_to_token.shape[0]
+        # each request slot's member, written at its prefill; read per step on the device
+        self.member_of_slot = torch.zeros(rows, dtype=torch.int64, device=ctx.device)
+        self._member_ids = torch.arange(len(self.members), device=ctx.device)[:, None]
+        self.member_masks = torch.zeros(
+            len(self.members), ctx.max_batch_size, dtype=torch.bool, device=ctx.device
+        )
+        self._one = torch.ones((), dtype=torch.int64, device=ctx.device)
+        self._member_seq_lens = {  # SGLang's seq_lens are int64, int32 in some graph runners
+            dtype: torch.ones(len(self.members), ctx.max_batch_size, dtype=dtype, device=ctx.device)
+            for dtype in (torch.int64, torch.int32)
+        }
+        self._views: list[MemberView] = []
+        self._prefilling: list[int] = []  # members whose prefill plan runs now
+        self.tile_counts = ctx.art_tile_counts if policy.reads_tiles() else None
+        self.graphable = True
+        unions: list[tuple[int, ...]] = []
+        self.layers = [self._layer_groups(layer, unions) for layer in range(ctx.num_layers)]
+        self.group_masks = torch.zeros(
+            len(unions), ctx.max_batch_size, dtype=torch.bool, device=ctx.device
+        )
+        self._unions = [torch.tensor(ids, device=ctx.device) for ids in unions]
+        self.decode_fns = [self._layer_decode(groups) for groups in self.layers]
+
+    @staticmethod
+    def _member_context(member: KVPolicy, ctx: DecodeContext) -> DecodeContext:
+        defaults = member.request_values(member)
+        rows = ctx.req_to_token.shape[0]
+        table = (
+            torch.tensor([defaults] * rows, dtype=torch.float32, device=ctx.device)
+            if defaults else None
+        )  # fmt: skip
+        return dataclasses.replace(
+            ctx, request_values=table, decode_step_setups=[], step_reservations=[]
+        )
+
+    def _layer_groups(self, layer: int, unions: list) -> list[_LayerGroup]:
+        by_fn: dict[int, list[int]] = {}
+        fns = [member.decode_fns[layer] for member in self.members]
+        for i, fn in enumerate(fns):
+            by_fn.setdefault(id(fn), []).append(i)
+        groups = []
+        for ids in by_fn.values():
+            ids = tuple(ids)
+            if ids not in unions:
+                unions.append(ids)
+            engine_full = fns[ids[0]] is self.ctx.base_decode
+            groups.append(_LayerGroup(fns[ids[0]], ids, engine_full, unions.index(ids)))
+        # the engine's own attention first: it stores the new token's K/V as on its own
+        return sorted(groups, key=lambda g: not g.engine_full)
+
+    def _layer_decode(self, groups: list[_LayerGroup]) -> DecodeFn:
+        if len(groups) == 1 and groups[0].engine_full:
+            return groups[0].decode
+
+        def decode(q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+            out = None
+            for group in groups:
+                view = forward_batch if group.engine_full else self._views[group.members[0]]
+                part = group.decode(q, k, v, layer, view, save_kv_cache and out is None, **kwargs)
+                if out is None:  # a fresh tensor of the first call's: the others merge into it
+                    out = part
+                else:
+                    mask = self.group_masks[group.mask, : out.shape[0], None]
+                    torch.where(mask, part, out, out=out)
+            return out
+
+        return decode
+
+    @property
+    def stats(self) -> RuntimeStats:
+        summed = RuntimeStats()
+        for member in self.members:
+            for field in dataclasses.fields(RuntimeStats):
+                value = getattr(summed, field.name) + getattr(member.stats, field.name)
+                setattr(summed, field.name, value)
+        return summed
+
+    # requests ---------------------------------------------------------------------------------
+    def member_of(self, state_or_policy) -> PolicyRuntime:
+        policy = getattr(state_or_policy, "policy", state_or_policy)
+        return self.members[self.index[policy.name]]
+
+    def new_request(self, own: KVPolicy | None, previous: RequestState | None) -> RequestState:
+        return self.member_of(own).new_request(own, previous)
+
+    def admission_tokens(self, state: RequestState | None, total_tokens: int) -> int:
+        if state is None:
+            return total_tokens
+        return self.member_of(state).admission_tokens(state, total_tokens)
+
+    # per step ---------------------------------------------------------------------------------
+    def _by_member(self, requests: list[StepRequest]) -> list[list[StepRequest]]:
+        split: list[list[StepRequest]] = [[] for _ in self.members]
+        for request in requests:
+            split[self.index[request.state.policy.name]].append(request)
+        return split
+
+    def plan_step(self, requests: list[StepRequest], decode: bool) -> StepPlan:
+        plans = [
+            member.plan_step(own, decode)
+            for member, own in zip(self.members, self._by_member(requests), strict=True)
+        ]
+        rounds = [r for plan in plans for r in plan.rounds]
+        return MixPlan(decode, requests, rounds=rounds, parts=tuple(plans))
+
+    def run_plan(self, plan: MixPlan, forward_batch, engine: EngineOps) -> None:
+        plans = plan.parts
+        self._prefilling = [] if plan.decode else [i for i, p in enumerate(plans) if p.requests]
+        if not plan.decode and plan.requests:
+            rows = torch.tensor([r.row for r in plan.requests], dtype=torch.int64)
+            ids = torch.tensor([self.index[r.state.policy.name] for r in plan.requests])
+            self.member_of_slot[rows.to(self.ctx.device)] = ids.to(self.ctx.device)
+        for member, own in zip(self.members, plans, strict=True):
+            member.run_plan(own, forward_batch, engine)
+        self.graphable = all(member.graphable for member in self.members)
+
+    def prepare_decode(self, forward_batch) -> None:
+        batch = forward_batch.seq_lens.shape[0]
+        masks = self.member_masks[:, :batch]
+        member = self.member_of_slot[forward_batch.req_pool_indices.long()]
+        torch.eq(member[None, :], self._member_ids, out=masks)
+        for union, ids in enumerate(self._unions):
+            torch.any(masks.index_select(0, ids), dim=0, out=self.group_masks[union, :batch])
+        seq_lens = self._member_seq_lens[forward_batch.seq_lens.dtype][:, :batch]
+        torch.where(masks, forward_batch.seq_lens[None, :], self._one, out=seq_lens)
+        self._views = [MemberView(forward_batch, seq_lens[i]) for i in range(len(self.members))]
+        for runtime, view in zip(self.members, self._views, strict=True):
+            runtime.prepare_decode(view)
+
+    def after_extend(self, q, layer, forward_batch) -> None:
+        for i in self._prefilling:
+            self.members[i].after_extend(q, layer, forward_batch)
+
+    def relieve_memory(self, requests: list[StepRequest], engine: EngineOps) -> int:
+        split = zip(self.members, self._by_member(requests), strict=True)
+        return sum(member.relieve_memory(own, engine) for member, own in split)
+
+    # reports ----------------------------------------------------------------------------------
+    def report(self, request: StepRequest, extend: bool) -> RequestReport:
+        return self.member_of(request.state).report(request, extend)
