@@ -5,7 +5,9 @@ requests of random input ids, each decoding exactly --output-len tokens.
     python -m benchmarks.e2e --shape qwen1.5b --policies vanilla@fa3,vanilla@flashinfer,full \
         --requests 64 --input-len 1024 --output-len 1024
 
-NAME@BACKEND runs a policy (or vanilla SGLang) on that attention backend; ratios are against the
+NAME@BACKEND runs a policy (or vanilla SGLang) on that attention backend; ``lethe/delta`` one server
+of several policies (``--policy lethe,delta``), its requests naming them in turn (the greedy check
+sends the first's); ratios are against the
 fastest vanilla backend of the run, and the greedy check compares a policy's tokens with vanilla's
 on its own backend (backends round differently). Rows name each policy's budget.
 
@@ -105,7 +107,8 @@ def server_argv(args: argparse.Namespace, policy: str, port: int) -> list[str]:
     if name == harness.VANILLA:
         return [sys.executable, "-m", "sglang.launch_server", *flags]
     config = ["--policy-config", args.policy_config] if args.policy_config else []
-    return [sys.executable, "-m", "sglang_ext.launch", "--policy", name, *config, *flags]
+    served = harness.served_policy(policy)
+    return [sys.executable, "-m", "sglang_ext.launch", "--policy", served, *config, *flags]
 
 
 # Greedy tokens are compared one request at a time: in a concurrent batch, GEMM shapes (and so
@@ -114,12 +117,13 @@ GREEDY_CHECK_REQUESTS = 8
 GREEDY_CHECK_TOKENS = 64
 
 
-def generate(url: str, input_ids: list[int], output_len: int) -> list[int]:
-    """Sends one request; returns the tokens it generated."""
-    body = {
-        "input_ids": input_ids,
-        "sampling_params": {"max_new_tokens": output_len, "ignore_eos": True, "temperature": 0},
-    }
+def generate(url: str, input_ids: list[int], output_len: int, kv_policy: str | None = None):
+    """Sends one request (under the server's policy ``kv_policy`` when given); returns the tokens
+    it generated."""
+    sampling = {"max_new_tokens": output_len, "ignore_eos": True, "temperature": 0}
+    if kv_policy is not None:
+        sampling["custom_params"] = {"kv_policy": {"name": kv_policy}}
+    body = {"input_ids": input_ids, "sampling_params": sampling}
     response = requests.post(f"{url}/generate", json=body, timeout=3600)
     response.raise_for_status()
     return response.json()["output_ids"]
@@ -194,19 +198,20 @@ def kv_per_request(samples: list[KvSample]) -> tuple[float, float]:
 
 
 def measure(
-    url: str, prompts: list[list[int]], output_len: int, interval_s: float
+    url: str, prompts: list[list[int]], output_len: int, interval_s: float,
+    kv_policies: list[str | None] = (None,),
 ) -> tuple[float, KvSampler]:
-    """Output tokens/s over all requests sent at once, and the sampler of KV and running
-    requests meanwhile."""
+    """Output tokens/s over all requests sent at once (request i under ``kv_policies[i % n]``),
+    and the sampler of KV and running requests meanwhile."""
     # A full-length prompt compiles what the measured prefill runs (FlashInfer JIT-builds kernels
     # on first use: 10 s inside the clock at --tp 2 on 2026-11-26); reversed, so the radix
     # cache holds no measured prompt's prefix.
     generate(url, prompts[0][::-1], 4)
     with KvSampler(url, interval_s) as sampler, ThreadPoolExecutor(len(prompts)) as pool:
         start = time.perf_counter()
-        tokens = sum(
-            len(out) for out in pool.map(lambda ids: generate(url, ids, output_len), prompts)
-        )
+        chosen = [kv_policies[i % len(kv_policies)] for i in range(len(prompts))]
+        outs = pool.map(lambda ids, kv: generate(url, ids, output_len, kv), prompts, chosen)
+        tokens = sum(len(out) for out in outs)
         elapsed = time.perf_counter() - start
     return tokens / elapsed, sampler
 
@@ -316,14 +321,18 @@ class PolicyRun:
 
 def measure_policy(args, policy: str, prompts: list[list[int]], info: RunInfo) -> PolicyRun:
     port = harness.free_port()
-    log_path = (args.log_dir or args.out_dir) / f"{BENCH}-{args.shape}-{policy}.log"
+    log_name = f"{BENCH}-{args.shape}-{policy.replace(harness.MIX_SEPARATOR, '_')}.log"
+    log_path = (args.log_dir or args.out_dir) / log_name
     print(f"{BENCH}: {policy} on {args.shape} ({info.device}), log {log_path}", flush=True)
     argv = server_argv(args, policy, port)
     with EngineServer(argv, harness.engine_env(), log_path, port) as server:
         server.wait_ready()
         if not harness.is_vanilla(policy) and not POLICY_ACTIVE_LOG in server.log():
             raise RuntimeError(f"{policy}: the server did not load the policy; log {log_path}")
-        tok_s, sampler = measure(server.url, prompts, args.output_len, args.sample_interval)
+        tok_s, sampler = measure(
+            server.url, prompts, args.output_len, args.sample_interval,
+            harness.request_policies(policy),
+        )  # fmt: skip
         retracted = sum(int(n) for n in RETRACTED_LOG.findall(server.log()))
         greedy = [
             generate(server.url, ids, GREEDY_CHECK_TOKENS)

@@ -198,6 +198,22 @@ def is_vanilla(name: str) -> bool:
     return split_policy(name)[0] == VANILLA
 
 
+# In a benchmark's --policies, ``lethe/delta`` is one server of both (``--policy lethe,delta``)
+# whose requests name its members in turn.
+MIX_SEPARATOR = "/"
+
+
+def served_policy(name: str) -> str:
+    """The ``--policy`` a benchmark's policy name serves (``lethe/delta@fa3`` -> lethe,delta)."""
+    return split_policy(name)[0].replace(MIX_SEPARATOR, ",")
+
+
+def request_policies(name: str) -> list[str | None]:
+    """The ``kv_policy.name`` each request names, in turn: a mix's members; [None] otherwise."""
+    policy = split_policy(name)[0]
+    return policy.split(MIX_SEPARATOR) if MIX_SEPARATOR in policy else [None]
+
+
 def policy_budget(name: str, config: str | None) -> str:
     """The KV budget a benchmark row names for a policy (``--policy-config`` JSON or defaults);
     empty for vanilla."""
@@ -205,7 +221,7 @@ def policy_budget(name: str, config: str | None) -> str:
         return ""
     from sglang_ext.policies import build_policy
 
-    return build_policy(split_policy(name)[0], json.loads(config or "{}")).budget()
+    return build_policy(served_policy(name), json.loads(config or "{}")).budget()
 
 
 def engine_flags(

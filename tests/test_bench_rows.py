@@ -23,6 +23,11 @@ def test_e2e_starts_vanilla_sglang_or_the_launcher_by_the_name_before_the_backen
     policy = e2e.server_argv(args, "delta@triton", 30000)
     assert vanilla[1:3] == ["-m", "sglang.launch_server"] and "--policy" not in vanilla
     assert policy[1:5] == ["-m", "sglang_ext.launch", "--policy", "delta"]
+    mix = e2e.server_argv(args, "lethe/delta@fa3", 30000)  # one server, requests in turn
+    assert mix[3:5] == ["--policy", "lethe,delta"]
+    assert harness.request_policies("lethe/delta@fa3") == ["lethe", "delta"]
+    assert harness.request_policies("delta@fa3") == [None]
+    assert harness.policy_budget("lethe/delta", None).startswith("lethe: max_kv_ratio 0.3")
 
 
 def test_greedy_tokens_are_compared_with_vanilla_on_the_same_backend():
@@ -42,10 +47,11 @@ def test_greedy_tokens_are_compared_with_vanilla_on_the_same_backend():
 
 def test_partial_runs_are_saved_under_plain_file_names_and_found_again(tmp_path):
     args = e2e.build_parser().parse_args(["--shape", "qwen1.5b", "--partial-dir", str(tmp_path)])
-    for policy in ("vanilla@fa3", "delta+art@flashinfer", "lethe"):
+    for policy in ("vanilla@fa3", "delta+art@flashinfer", "lethe", "lethe/delta"):
         e2e.PolicyRun(policy, "dev", "0.5.17", "today", 1.0, 0, [], [], "fa3").save(e2e.partial_path(args, policy))
     assert all(re.fullmatch(r"[A-Za-z0-9._-]+", path.name) for path in tmp_path.iterdir())
-    assert [run.policy for run in e2e.saved_runs(args)] == ["vanilla@fa3", "delta+art@flashinfer", "lethe"]
+    saved = [run.policy for run in e2e.saved_runs(args)]
+    assert saved == ["vanilla@fa3", "delta+art@flashinfer", "lethe", "lethe/delta"]
 
 
 def test_a_split_run_is_reported_from_its_saved_runs_under_the_device_they_ran_on(tmp_path):

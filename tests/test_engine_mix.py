@@ -1,0 +1,112 @@
+"""The real SGLang engine on CPU with SmolLM2 serving several policies at once
+(``--policy lethe,delta,tidal,full``), beside a single-policy server of each with the same
+parameters: requests of the four policies decode in one batch, each giving the greedy tokens its
+own server gives it, under its own report and metrics label, beside the radix cache, with
+SGLang's strict KV checks silent. (Five CPU servers: in their own module, as eight at once do
+not fit a 24 GB machine.)"""
+
+import re
+
+import pytest
+import requests
+
+from server import policy_servers
+
+pytestmark = pytest.mark.engine
+
+COMMON = ["--max-total-tokens", "16384", "--log-level", "info", "--dtype", "float32"]
+# member -> its config (None: defaults), on the mix and on its own server
+MIX_MEMBERS = {
+    "lethe": {"evict_threshold": 128, "max_kv_ratio": 0.5},  # rounds from 128 tokens on
+    "delta": {"budget_pages": 4, "recent_pages": 1},
+    "tidal": {"budget_tokens": 64},
+    "full": None,
+}
+MIX = ",".join(MIX_MEMBERS)
+
+
+@pytest.fixture(scope="module")
+def servers(model_path, strict_env, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("mix-logs")
+    configs = {name: (name, config, COMMON) for name, config in MIX_MEMBERS.items()}
+    mix_config = {name: config for name, config in MIX_MEMBERS.items() if config}
+    mix_flags = [*COMMON, "--enable-metrics", "--decode-log-interval", "1"]
+    configs["mix"] = (MIX, mix_config, mix_flags)
+    with policy_servers(model_path, strict_env, logs, configs) as started:
+        yield started
+
+
+# About 300 tokens each: more than DELTA's 4 pages and Tidal's 64 tokens, past Lethe's threshold;
+MIX_PROMPTS = [
+    f"Ledger {k}. " + " ".join(f"Fact {i}: the {color} box holds {i * k} marbles." for i, color in
+                               enumerate(["red", "blue", "green", "yellow", "white"] * 5))
+    + f" Question {k}: how many marbles does the green box of fact 2 hold? Answer:"
+    for k in (3, 5, 9, 11)
+]  # fmt: skip
+STORY = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
+ROUND = re.compile(r"lethe round \d+ of (\w+): (\d+) positions, freed (\d+) slots .* "
+                   r"retained \d+ \(radix-owned (\d+)\)")  # fmt: skip
+
+
+def _batch(server, texts, kv_policies, max_new_tokens=16):
+    """One batched call (its requests reach the scheduler together), each with its policy."""
+    params = [
+        {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True,
+         **({"custom_params": {"kv_policy": p}} if p else {})}
+        for p in kv_policies
+    ]  # fmt: skip
+    body = {"text": texts, "sampling_params": params}
+    response = requests.post(f"{server.url}/generate", json=body, timeout=900)
+    response.raise_for_status()
+    return response.json()
+
+
+def _assert_healthy_and_exact(server):
+    server.wait_idle()
+    assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
+    assert "Mem Leak" not in server.log() and "Traceback" not in server.log()
+
+
+def test_four_policies_in_one_batch_each_give_their_own_servers_tokens(servers):
+    mixed = _batch(servers["mix"], MIX_PROMPTS, [{"name": name} for name in MIX_MEMBERS])
+    batch = re.findall(r"Decode batch, #running-req: (\d+)", servers["mix"].log())
+    assert max(int(n) for n in batch) == 4  # decoded together
+    for i, name in enumerate(MIX_MEMBERS):
+        # its own server decodes the same four prompts, so every row's batch is the same shape
+        alone = _batch(servers[name], MIX_PROMPTS, [None] * 4)
+        assert mixed[i]["output_ids"] == alone[i]["output_ids"], name
+        assert mixed[i]["meta_info"]["kv_policy"][-1] == name
+    lethe = mixed[0]["meta_info"]
+    assert lethe["kv_evicted_tokens"][-1] > 0
+    assert all(m["meta_info"]["kv_evicted_tokens"][-1] == 0 for m in mixed[1:])
+    assert "delta layer 2 first selected fewer pages" in servers["mix"].log()
+    assert "tidal layer 2 first selected fewer tokens" in servers["mix"].log()
+    # the requests' series are labelled by the policy each decoded under
+    series = r'^sglang_ext:attended_tokens_per_step_count{[^}]*policy="(\w+)"[^}]*} (\S+)$'
+    steps = re.findall(series, servers["mix"].metrics(), re.M)
+    assert {name: float(n) >= 15 for name, n in steps} == dict.fromkeys(MIX_MEMBERS, True)
+    _assert_healthy_and_exact(servers["mix"])
+
+
+def test_the_policy_endpoint_lists_the_enabled_policies(servers):
+    info = requests.get(f"{servers['mix'].url}/policy", timeout=30).json()
+    assert info["policy"]["name"] == MIX and info["policy"]["delta"]["budget_pages"] == 4
+    assert list(info["per_request"]["policies"]) == list(MIX_MEMBERS)
+    assert info["per_request"]["policies"]["tidal"] == ["budget_tokens"]
+    body = {"text": STORY, "sampling_params": {"custom_params": {"kv_policy": {"name": "art"}}}}
+    refused = requests.post(f"{servers['mix'].url}/generate", json=body, timeout=60)
+    assert refused.status_code == 400 and "kv_policy.name" in refused.text
+    assert "(valid: lethe, delta, tidal, full)" in refused.text
+
+
+def test_a_prefix_shared_by_a_full_and_a_lethe_request_is_never_freed(servers):
+    server = servers["mix"]
+    prefix = " ".join([STORY] * 4)  # about 80 tokens, cached whole by the full request
+    first = _batch(server, [prefix], [{"name": "full"}], max_new_tokens=8)[0]
+    longer = _batch(server, [prefix + " One morning"], [{"name": "lethe"}], 160)[0]
+    rounds = [m for m in ROUND.finditer(server.log()) if m[1] == longer["meta_info"]["id"]]
+    assert rounds and sum(int(m[3]) for m in rounds) > 0
+    assert all(int(m[4]) >= 64 for m in rounds)  # the full request's cached prefix, exempt
+    again = _batch(server, [prefix], [{"name": "full"}], max_new_tokens=8)[0]
+    assert again["output_ids"] == first["output_ids"]
+    _assert_healthy_and_exact(server)
