@@ -35,6 +35,9 @@ def test_exported_policy_is_what_engine_processes_build(monkeypatch):
     config.export_policy(config.policy_from_flags("full", "{}"))
     assert json.loads(config.os.environ[config.POLICY_ENV]) == {"name": "full", "params": {}}
     assert config.active_policy().name == "full"
+    mix = config.policy_from_flags("lethe,delta+art", '{"delta+art": {"art": {"tau": 0.5}}}')
+    config.export_policy(mix)
+    assert config.active_policy() == mix and config.active_policy().members[1].art.tau == 0.5
     monkeypatch.delenv(config.POLICY_ENV)
     config.active_policy.cache_clear()
 
@@ -51,6 +54,11 @@ def test_exported_policy_is_what_engine_processes_build(monkeypatch):
         (
             ["--policy", "delta", "--policy-config", '{"recent_pages": 9, "budget_pages": 8}'],
             ["argument --policy-config:", "field delta.recent_pages", "budget_pages=8"],
+        ),
+        (["--policy", "delta,delta"], ["argument --policy:", "lists delta twice"]),
+        (
+            ["--policy", "lethe,delta", "--policy-config", '{"tidal": {}}'],
+            ["argument --policy-config:", "field tidal", "not a policy of lethe,delta"],
         ),
         (
             ["--attention-backend", "flex_attention"],
