@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     kv_source = "synthetic" if args.skip_prefill_compute else "real"
     rows: list[Row] = []
     for policy in args.policies:
-        log_path = log_dir / f"{BENCH}-{args.shape}-{policy}.log"
+        log_path = log_dir / f"{BENCH}-{args.shape}-{harness.file_safe(policy)}.log"
         print(f"{BENCH}: {policy} on {args.shape} ({info.device}), log {log_path}", flush=True)
         with tempfile.TemporaryDirectory() as traces:
             flags = (

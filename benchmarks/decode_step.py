@@ -84,7 +84,7 @@ def run_policy(
         result_json = Path(tmp) / "result.json"
         argv = [
             sys.executable, "-m", "benchmarks.decode_step_child",
-            "--policy", harness.split_policy(policy)[0],
+            "--policy", harness.served_policy(policy),
             "--result-json", str(result_json),
             "--prefill-slice-tokens", str(args.prefill_slice_tokens),
             "--contexts", ",".join(map(str, args.context)),
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     results = {}
     for policy in args.policies:
-        log_path = log_dir / f"{BENCH}-{args.shape}-{policy}.log"
+        log_path = log_dir / f"{BENCH}-{args.shape}-{harness.file_safe(policy)}.log"
         print(f"{BENCH}: {policy} on {args.shape} ({info.device}), log {log_path}", flush=True)
         results[policy] = run_policy(args, policy, log_path)
         print(f"{BENCH}: {policy} decoded with {results[policy]['attention_backend']}", flush=True)

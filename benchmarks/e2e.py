@@ -321,7 +321,7 @@ class PolicyRun:
 
 def measure_policy(args, policy: str, prompts: list[list[int]], info: RunInfo) -> PolicyRun:
     port = harness.free_port()
-    log_name = f"{BENCH}-{args.shape}-{policy.replace(harness.MIX_SEPARATOR, '_')}.log"
+    log_name = f"{BENCH}-{args.shape}-{harness.file_safe(policy)}.log"
     log_path = (args.log_dir or args.out_dir) / log_name
     print(f"{BENCH}: {policy} on {args.shape} ({info.device}), log {log_path}", flush=True)
     argv = server_argv(args, policy, port)

@@ -208,6 +208,11 @@ def served_policy(name: str) -> str:
     return split_policy(name)[0].replace(MIX_SEPARATOR, ",")
 
 
+def file_safe(name: str) -> str:
+    """A policy's name as part of a file name (``lethe/delta`` is not one)."""
+    return name.replace(MIX_SEPARATOR, "_")
+
+
 def request_policies(name: str) -> list[str | None]:
     """The ``kv_policy.name`` each request names, in turn: a mix's members; [None] otherwise."""
     policy = split_policy(name)[0]
