@@ -56,10 +56,11 @@ class LayerShrink:
 @dataclasses.dataclass(frozen=True)
 class Lethe(KVPolicy):
     name = "lethe"
-    # Host-side rules of a round; decay and the observation window shape the device-side scores
-    # of every request, so they stay server-wide.
+    # Host-side rules of a round. Server-wide: decay and the observation window (they shape
+    # every request's device-side scores) and sparse_ratio (without per-layer lists the decode
+    # reads one list for all layers, gathered once per step).
     request_params = (
-        "evict_threshold", "sparse_ratio", "recent_ratio", "sink_tokens", "segments", "max_kv_ratio",
+        "evict_threshold", "recent_ratio", "sink_tokens", "segments", "max_kv_ratio",
     )  # fmt: skip
     request_opt_out = True
 
@@ -101,6 +102,10 @@ class Lethe(KVPolicy):
 
     def evicts(self) -> bool:
         return True
+
+    def per_layer_lists(self) -> bool:
+        """Whether layers may keep different lists (else every layer keeps the request's set)."""
+        return self.sparse_ratio is not None
 
     def runtime(self, ctx: DecodeContext):
         from sglang_ext.eviction import LetheRuntime

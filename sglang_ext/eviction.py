@@ -4,7 +4,8 @@ State, per SGLang request slot (a row of ``req_to_token``) and per layer, on the
 ``positions`` (the retained logical positions, ascending), ``count`` and ``scores`` (RASR). A
 prefill resets a row to every position it holds; each decode step appends the new token to every
 layer's list (once per step, ``prepare_decode``); a layer's decode attention reads only its list
-(``kernels.rasr``).
+(``kernels.rasr``). Without per-layer lists (the default) every layer's list is the same, so on
+CUDA the step gathers its KV slots once and every layer attends over that table.
 
 Memory: SGLang keeps its own view of a request (``seq_lens``, ``req_to_token``, the true
 positions for RoPE) unchanged; a slot freed by a round leaves a hole, ``DecodeContext.hole_slot``
@@ -79,10 +80,16 @@ class LetheRuntime(PolicyRuntime):
         self._arange = torch.arange(cap, dtype=torch.int32, device=ctx.device)
         self._zero_score = torch.zeros((), dtype=torch.float32, device=ctx.device)
         self._logits, self._workspace = None, None  # the kernel's scratch (CUDA only)
+        self._slot_table = None  # one list for every layer: its slots, gathered once per step
         if ctx.device.type == "cuda" and ctx.num_q_heads is not None:
             logits_shape = (ctx.max_batch_size, ctx.num_q_heads, cap)
             self._logits = torch.empty(logits_shape, dtype=torch.float32, device=ctx.device)
             self._workspace = ctx.split_workspace(cap)
+            if not policy.per_layer_lists():
+                table = (ctx.max_batch_size, cap)
+                self._slot_table = torch.zeros(table, dtype=torch.int32, device=ctx.device)
+                self._entry_count = torch.zeros(table[0], dtype=torch.int32, device=ctx.device)
+                self._table_rows = torch.arange(table[0], device=ctx.device)
         self._extending = _Extending([], [], [])
         super().__init__(policy, ctx)
         self.decode_fns = [self._decode] * ctx.num_layers
@@ -145,6 +152,13 @@ class LetheRuntime(PolicyRuntime):
         # A device zero: a Python scalar would be copied from the host, which CUDA graphs forbid.
         self.scores.index_put_((self._layers, state_rows, at), self._zero_score)
         self.count[:, state_rows] = torch.where(real, at + 1, 0).to(torch.int32)
+        if self._slot_table is not None:
+            from sglang_ext.kernels import rasr
+
+            rasr.gather_retained_slots(
+                self.ctx.req_to_token, forward_batch.req_pool_indices, self.positions[0],
+                self.count[0], state_rows, self._slot_table, self._entry_count,
+            )  # fmt: skip
 
     def relieve_memory(self, requests: list[StepRequest], engine: EngineOps) -> int:
         """Rounds now, whatever the thresholds, for each request that holds more than a round
@@ -178,6 +192,14 @@ class LetheRuntime(PolicyRuntime):
         lid = layer.layer_id
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         pool = self.ctx.kv_pool
+        if self._slot_table is not None:
+            out = rasr.shared_retained_decode(
+                q, pool.get_key_buffer(lid), pool.get_value_buffer(lid), self._slot_table,
+                self._table_rows, self._entry_count, self.scores[lid],
+                self.state_rows[: q.shape[0]], layer.scaling, self.policy.decay, self._logits,
+                workspace=self._workspace,
+            )  # fmt: skip
+            return out.view(q.shape[0], -1)
         args = (
             q, pool.get_key_buffer(lid), pool.get_value_buffer(lid), self.ctx.req_to_token,
             forward_batch.req_pool_indices, forward_batch.seq_lens,

@@ -7,7 +7,8 @@ import pytest
 import torch
 from kernel_cases import DEVICE, OUT_TOL, make_batch
 from sglang_ext.kernels.rasr import (
-    pool_neighbours, retained_decode, retained_decode_ref, window_scores,
+    gather_retained_slots, pool_neighbours, retained_decode, retained_decode_ref,
+    shared_retained_decode, window_scores,
 )
 from sglang_ext.kernels.selection_attention import selection_attention_ref
 
@@ -87,6 +88,48 @@ def test_rows_outside_the_batch_and_padding_are_untouched():
         if row not in touched:
             assert torch.equal(scores[row], before[row]), row
     assert torch.count_nonzero(out[1]) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_one_list_for_every_layer_gathered_once_matches_the_reference(dtype):
+    """The default path on CUDA: the lists' slots gathered into a table once per step, a layer's
+    attention over it; entry 1 plays CUDA-graph padding (its state row holds nothing)."""
+    batch, sm_scale = make_batch(dtype, seq_lens=SEQ_LENS, max_context=MAX_CONTEXT)
+    num_rows = batch["req_to_token"].shape[0]
+    lists = [[0, 4], [0, 1, 2, 3, 20, 30, 36], [0, 1, *range(40, 70)]]
+    positions, count, scores = retained_state(batch, lists, num_rows + 1)
+    count[num_rows] = 0
+    state_rows = batch["req_pool_indices"].long().clone()
+    state_rows[1] = num_rows
+    before, scores_ref = scores.clone(), scores.clone()
+    size = len(SEQ_LENS) + 1  # buffers larger than the batch, as the runtime owns them
+    table = torch.full((size, MAX_CONTEXT), -1, dtype=torch.int32, device=DEVICE)
+    entry_count = torch.full((size,), -1, dtype=torch.int32, device=DEVICE)
+    gather_retained_slots(
+        batch["req_to_token"], batch["req_pool_indices"], positions, count, state_rows, table,
+        entry_count,
+    )  # fmt: skip
+    for b, (row, req) in enumerate(zip(state_rows.tolist(), batch["req_pool_indices"].tolist())):
+        n = int(count[row])
+        assert int(entry_count[b]) == n
+        expected = batch["req_to_token"][req, positions[row, :n].long()]
+        assert torch.equal(table[b, :n], expected)
+        assert bool((table[b, n:] == -1).all())
+    logits = torch.empty(size, batch["q"].shape[1], MAX_CONTEXT, device=DEVICE)
+    out = shared_retained_decode(
+        batch["q"], batch["k_buffer"], batch["v_buffer"], table,
+        torch.arange(size, device=DEVICE), entry_count, scores, state_rows, sm_scale, 0.5, logits,
+    )  # fmt: skip
+    out_ref = retained_decode_ref(
+        **batch, positions=positions, count=count, scores=scores_ref, sm_scale=sm_scale,
+        gamma=0.5, state_rows=state_rows,
+    )  # fmt: skip
+    torch.testing.assert_close(out, out_ref, **OUT_TOL[dtype])
+    torch.testing.assert_close(scores, scores_ref, atol=1e-4, rtol=1e-4)
+    assert torch.count_nonzero(out[1]) == 0
+    touched = {state_rows[0].item(), state_rows[2].item()}
+    for row in set(range(num_rows + 1)) - touched:
+        assert torch.equal(scores[row], before[row]), row
 
 
 def test_window_scores_are_causal_and_find_the_matching_key():
