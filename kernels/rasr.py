@@ -139,7 +139,7 @@ def retained_decode(
     entry's list in place (no gather of the context-wide rows). ``num_kv_splits`` and
     ``workspace`` as for split_kv_decode. Returns out in q's dtype.
     """
-    batch, num_q_heads, _ = q.shape
+    batch = q.shape[0]
     rows = req_pool_indices if state_rows is None else state_rows
     entry_count = count[rows]
     out, lse = split_kv_decode(
