@@ -92,6 +92,9 @@ def run_policy(
         ]  # fmt: skip
         if not harness.is_vanilla(policy) and args.policy_config:
             argv += ["--policy-config", args.policy_config]
+        names = harness.request_policies(policy)
+        if names != [None]:  # a server of several: its requests name them in turn
+            argv += ["--request-policies", ",".join(names)]
         with open(log_path, "wb") as log:
             code = subprocess.call(
                 [*argv, "--", *one_batch_flags],

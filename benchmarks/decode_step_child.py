@@ -13,6 +13,7 @@ bytes, the tokens the policy attends to at each --contexts length, and the devic
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import json
 import sys
@@ -40,6 +41,10 @@ def main() -> None:
     parser.add_argument(
         "--contexts", default="", help="comma-separated lengths to report attended tokens at"
     )
+    parser.add_argument(
+        "--request-policies", default="",
+        help="comma-separated policy names the batch's requests name in turn (a server of several)",
+    )  # fmt: skip
     parser.add_argument("one_batch_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     one_batch_args = (
@@ -55,8 +60,9 @@ def main() -> None:
     # before the model and KV pool take the memory its buffers need
     copy_bandwidth = harness.copy_bytes_per_s(flag_value(one_batch_args, "--device", "cuda"))
     contexts = [int(c) for c in args.contexts.split(",") if c]
+    names = [name for name in args.request_policies.split(",") if name]
     engine = _patch_one_batch(
-        one_batch, args.prefill_slice_tokens, args.skip_prefill_compute, contexts
+        one_batch, args.prefill_slice_tokens, args.skip_prefill_compute, contexts, names
     )
     with tempfile.TemporaryDirectory() as tmp:
         jsonl = Path(tmp) / "one_batch.jsonl"
@@ -85,10 +91,12 @@ def _load_policy_plugin(name: str, config: str | None) -> None:
 
 
 def _patch_one_batch(
-    one_batch, slice_tokens: int, skip_prefill_compute: bool, contexts: list[int]
+    one_batch, slice_tokens: int, skip_prefill_compute: bool, contexts: list[int],
+    request_policies: list[str],
 ) -> dict:
-    """Adapt one_batch to dummy-weight shapes and long contexts; returns a dict that fills with
-    the engine's KV capacity, attention backend and bytes read per step once the model is loaded."""
+    """Adapt one_batch to dummy-weight shapes and long contexts, its requests naming
+    ``request_policies`` in turn; returns a dict that fills with the engine's KV capacity,
+    attention backend and bytes read per step once the model is loaded."""
     import torch
 
     from sglang_ext.engine.backends import PolicyDispatchMixin
@@ -110,6 +118,7 @@ def _patch_one_batch(
         64 x 16k tokens outgrow an 80 GB GPU. Prefill whole requests in slices of at most
         ``slice_tokens`` tokens and merge them into one decode batch, as SGLang's scheduler
         merges prefilled requests into its running batch."""
+        name_requests(reqs, request_policies)
         next_ids, batch, start = [], None, 0
         while start < len(reqs):
             end, tokens = start, 0
@@ -141,6 +150,15 @@ def _patch_one_batch(
     # Synthetic input ids need no tokenizer, and the shape folders ship none.
     one_batch.get_tokenizer = lambda *args, **kwargs: None
     return engine
+
+
+def name_requests(reqs, names: list[str]) -> None:
+    """Request i names ``names[i % len]`` (``custom_params.kv_policy``), as e2e's requests do on
+    a server of several policies; none named leaves every request on the server's default."""
+    for i, req in enumerate(reqs if names else []):
+        # one_batch gives every request the same SamplingParams object
+        req.sampling_params = copy.copy(req.sampling_params)
+        req.sampling_params.custom_params = {"kv_policy": {"name": names[i % len(names)]}}
 
 
 def _bytes_read(model_runner, contexts: list[int]) -> dict:

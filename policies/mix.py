@@ -74,7 +74,10 @@ class PolicyMix(KVPolicy):
         return defaults
 
     def attended_tokens(self, seq_len: int, num_layers: int) -> float:
-        return self.members[0].attended_tokens(seq_len, num_layers)
+        # a batch whose requests name the members in turn (the benchmarks' mixed batches); each
+        # request's report counts its own member's
+        counts = [m.attended_tokens(seq_len, num_layers) for m in self.members]
+        return sum(counts) / len(counts)
 
     def budget(self) -> str:
         return "; ".join(f"{m.name}: {m.budget()}" for m in self.members if m.budget())

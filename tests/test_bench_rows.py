@@ -2,6 +2,7 @@
 which vanilla run a policy's greedy tokens are compared with, and a decode step's bandwidth floor."""
 
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -182,3 +183,16 @@ def test_host_step_times_the_adapters_work_for_each_policy_and_batch(tmp_path):
         (p, b) for p in ("full", "delta", "tidal") for b in (1, 3)
     }
     assert all(r["metric"] == "host_step_ms" and r["value"] > 0 for r in rows)
+
+
+def test_a_mixed_decode_step_batch_names_the_members_in_turn():
+    from benchmarks.decode_step_child import name_requests
+
+    shared = SimpleNamespace(custom_params=None)  # one_batch's requests share one object
+    reqs = [SimpleNamespace(sampling_params=shared) for _ in range(5)]
+    name_requests(reqs, ["lethe", "delta"])
+    names = [r.sampling_params.custom_params["kv_policy"]["name"] for r in reqs]
+    assert names == ["lethe", "delta", "lethe", "delta", "lethe"]
+    alone = [SimpleNamespace(sampling_params=SimpleNamespace(custom_params=None))]
+    name_requests(alone, [])
+    assert alone[0].sampling_params.custom_params is None

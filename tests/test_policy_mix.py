@@ -23,6 +23,12 @@ SEQ_LENS = (300, 120, 40, 60, 17)
 OPS = EngineOps(free_slots=lambda slots: None, available_slots=lambda: 0, rerun_extend=None)
 
 
+def test_a_mixed_batch_attends_to_its_members_tokens_on_average():
+    # the benchmarks' batches name the members in turn: a decode step's floor counts them so
+    mix, lethe = build_policy("lethe,full"), build_policy("lethe")
+    assert mix.attended_tokens(32768, 28) == (lethe.attended_tokens(32768, 28) + 32768) / 2
+
+
 def test_a_mix_is_built_from_each_members_parameters_and_described_by_them():
     mix = build_policy(NAME, MEMBERS)
     assert isinstance(mix, PolicyMix) and mix.name == NAME
