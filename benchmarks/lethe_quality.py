@@ -49,7 +49,10 @@ class LetheRun:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{BENCH}", description=__doc__)
-    parser.add_argument("--sparse-ratios", type=_float_list, default=[100.0, 400.0])
+    parser.add_argument(
+        "--sparse-ratios", type=_ratio_list, default=[100.0, 400.0],
+        help="comma-separated; 'none' is one retained set for every layer (Lethe's default)",
+    )
     parser.add_argument("--recent-ratios", type=_float_list, default=[0.1, 0.3])
     parser.add_argument("--max-kv-ratio", type=float, default=0.3)
     parser.add_argument("--evict-threshold", type=int, default=256)
@@ -71,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _float_list(text: str) -> list[float]:
     return [float(x) for x in text.split(",")]
+
+
+def _ratio_list(text: str) -> list[float | None]:
+    return [None if x.strip() == "none" else float(x) for x in text.split(",")]
 
 
 def grid(args) -> list[LetheRun]:
