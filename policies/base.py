@@ -64,6 +64,10 @@ class DecodeContext:
     req_to_token: Any  # [request slots, max context] int32: cache slot of each request's tokens
     max_batch_size: int  # no decode batch is larger: per-batch state is allocated once this size
     device: Any  # torch.device of the KV cache
+    # base_decode_rows(rows) -> the engine's full attention reading only the rows a bool
+    # [max_batch_size] mask marks (written before each step's layers), the others one token,
+    # their output unspecified; None where the engine's plan fixes every row's length
+    base_decode_rows: Callable[[Any], DecodeFn] | None = None
     model_fingerprint: dict[str, Any] | None = None  # policies.calibration.model_fingerprint
     ranks: RankGroup | None = None  # under attention tensor parallelism; None on one rank
     # ART (policies.art.Art) when it reads for this policy (BASE+art): sparse layers read their

@@ -8,10 +8,9 @@ whole batch in which the other members' requests are one token long
 (``MemberView``): its kernels run once over the batch, read, score and select almost nothing for
 those rows, and its output for them is dropped. Per layer the members' outputs are merged by each
 row's member (masks made once per step on the device; no host sync); members that run the
-engine's own full attention at a layer share one call of it, with the real batch. So a row costs
-what it costs under its own policy, plus a launch per member and layer; a layer where a member
-attends fully (``full``, DELTA's and Tidal's first layers) runs the engine's full attention over
-the whole batch.
+engine's own full attention at a layer share one call of it, with the real batch, reading only
+their rows where the engine can (``DecodeContext.base_decode_rows``: fa3), else every row. So a
+row costs what it costs under its own policy, plus a launch per member and layer.
 """
 
 from __future__ import annotations
@@ -161,6 +160,7 @@ class MixRuntime(PolicyRuntime):
             len(unions), ctx.max_batch_size, dtype=torch.bool, device=ctx.device
         )
         self._unions = [torch.tensor(ids, device=ctx.device) for ids in unions]
+        self._rows_decodes: dict[int, Any] = {}  # union -> the engine's decode of its rows
         self.decode_fns = [self._layer_decode(groups) for groups in self.layers]
 
     @staticmethod
@@ -194,11 +194,13 @@ class MixRuntime(PolicyRuntime):
         if len(groups) == 1 and groups[0].engine_full:
             return groups[0].decode
 
+        calls = [(self._group_decode(group), group) for group in groups]
+
         def decode(q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
             out = None
-            for group in groups:
+            for group_decode, group in calls:
                 view = forward_batch if group.engine_full else self._views[group.members[0]]
-                part = group.decode(q, k, v, layer, view, save_kv_cache and out is None, **kwargs)
+                part = group_decode(q, k, v, layer, view, save_kv_cache and out is None, **kwargs)
                 if out is None:  # a fresh tensor of the first call's: the others merge into it
                     out = part
                 else:
@@ -207,6 +209,14 @@ class MixRuntime(PolicyRuntime):
             return out
 
         return decode
+
+    def _group_decode(self, group: _LayerGroup) -> DecodeFn:
+        rows_decode = self.ctx.base_decode_rows
+        if not group.engine_full or rows_decode is None:
+            return group.decode
+        if group.mask not in self._rows_decodes:  # one per union: its lengths are made per layer
+            self._rows_decodes[group.mask] = rows_decode(self.group_masks[group.mask])
+        return self._rows_decodes[group.mask]
 
     @property
     def stats(self) -> RuntimeStats:

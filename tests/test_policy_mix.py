@@ -1,6 +1,7 @@
 """A server of several policies: requests choose among them, and a batch mixing them gives each
 row what its own policy's runtime gives it alone (on a small synthetic KV cache)."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -84,12 +85,32 @@ def engine_full(cache):
     return decode
 
 
-def decode_step(policy, rows_policy, device):
+def engine_rows(cache, asked: list):
+    """The engine's decode of the rows a mask marks (fa3's ``decode_rows``): the other rows'
+    output is NaN here, which the mix must never keep. Records each mask it is built with."""
+
+    def rows_decode(rows):
+        asked.append(rows)
+        full = engine_full(cache)
+
+        def decode(q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+            out = full(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+            return torch.where(rows[: out.shape[0], None], out, out.new_full((), float("nan")))
+
+        return decode
+
+    return rows_decode
+
+
+def decode_step(policy, rows_policy, device, rows_decode=None):
     """A prefill then one decode step of the batch under ``policy``'s runtime, each entry
     choosing ``rows_policy[i]``; every layer's output [layers, batch, ...] and the runtime."""
     cache = Cache(num_layers=4, seq_lens=SEQ_LENS, device=device)
     policy = policy.for_model(cache.context())
-    runtime = policy.runtime(cache.context(base_decode=engine_full(cache)))
+    ctx = cache.context(base_decode=engine_full(cache))
+    if rows_decode is not None:
+        ctx = dataclasses.replace(ctx, base_decode_rows=rows_decode(cache))
+    runtime = policy.runtime(ctx)
     batch = cache.batch
     requests = []
     for i, name in enumerate(rows_policy):
@@ -133,6 +154,18 @@ def test_each_row_of_a_mixed_batch_decodes_as_under_its_own_policy_alone(device,
     assert lethe.scores[:, row, : SEQ_LENS[2]].sum(1).gt(0).all()
     others = cache.batch.req_pool_indices[[0, 1, 3, 4]]
     assert lethe.count[:, others].eq(0).all()  # never reset nor appended to
+
+
+def test_engine_attention_shared_by_some_members_reads_only_their_rows():
+    mix = build_policy(NAME, MEMBERS)
+    asked: list = []
+    mixed, runtime, cache = decode_step(mix, ROWS, "cpu", lambda c: engine_rows(c, asked))
+    plain, _, _ = decode_step(mix, ROWS, "cpu")
+    torch.testing.assert_close(mixed, plain, **cache.tol)  # no unread row's output kept
+    # one engine call of the members attending fully at a layer: delta, tidal and full at layer
+    # 0, tidal and full at 1, full alone at 2 and 3; Lethe's rows never read there
+    marked = sorted(sorted({ROWS[b] for b in range(len(ROWS)) if mask[b]}) for mask in asked)
+    assert marked == [["delta", "full", "tidal"], ["full"], ["full", "tidal"]]
 
 
 def test_requests_are_counted_and_reported_under_their_own_policy():

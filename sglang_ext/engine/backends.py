@@ -43,8 +43,11 @@ class PolicyDispatchMixin:
     """Per-layer decode dispatch, resolved once at construction: the hot path is a list lookup.
 
     A subclass names the SGLang backend it extends and how that backend stores a decoded token's
-    K/V (``write_decode_kv``), for policy layers that attend with their own kernels.
+    K/V (``write_decode_kv``), for policy layers that attend with their own kernels, and where it
+    can, its decode over some rows only (``decode_rows``, ``DecodeContext.base_decode_rows``).
     """
+
+    decode_rows = None
 
     def __init__(self, model_runner, policy: KVPolicy, **base_kwargs):
         window = getattr(model_runner, "sliding_window_size", None)
@@ -68,6 +71,7 @@ class PolicyDispatchMixin:
         context = DecodeContext(
             num_layers=model_config.num_hidden_layers,
             base_decode=super().forward_decode,
+            base_decode_rows=self.decode_rows,
             write_kv=self.write_decode_kv,
             kv_pool=self.token_to_kv_pool,
             req_to_token=req_to_token,
@@ -200,6 +204,30 @@ def _fa3_backend() -> type:
             # as FlashAttentionBackend.forward_decode does for a non-MLA, non-mxfp8 model
             loc = KVWriteLoc(forward_batch.out_cache_loc, self.forward_metadata.swa_out_cache_loc)
             self.token_to_kv_pool.set_kv_buffer(layer, loc, k, v, layer.k_scale, layer.v_scale)
+
+        def decode_rows(self, rows: torch.Tensor):
+            """FA3's decode reading only the rows ``rows`` marks: the others' lengths are 1 for
+            the call. The step's split plan (``scheduler_metadata``, made from the true lengths)
+            stays, so a marked row's output is bit for bit the whole call's; an unmarked row's
+            extra splits are empty tiles."""
+            lengths = torch.ones(rows.shape[0], dtype=torch.int32, device=rows.device)
+            one = lengths.new_ones(())
+
+            def decode(q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+                metadata = self.forward_metadata
+                true_lengths = metadata.cache_seqlens_int32
+                batch = true_lengths.shape[0]
+                masked = lengths[:batch]
+                torch.where(rows[:batch], true_lengths, one, out=masked)
+                metadata.cache_seqlens_int32 = masked
+                try:
+                    return FlashAttentionBackend.forward_decode(
+                        self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs
+                    )
+                finally:
+                    metadata.cache_seqlens_int32 = true_lengths
+
+            return decode
 
     return PolicyFlashAttentionBackend
 
