@@ -5,6 +5,7 @@
 #   PYTHONPATH=/tmp/site:/tmp/ext bash benchmarks/gpu_tests.sh
 #   bash benchmarks/gpu_tests.sh kernels|engine   (one half per call: each stays under a call's limit)
 #   bash benchmarks/gpu_tests.sh parallel   (2 GPUs: --tp-size 2 and --dp-size 2 servers; skipped on 1)
+#   bash benchmarks/gpu_tests.sh kernels tests/test_kernels_rasr.py …   (those files of a half only)
 # On a fresh host run `kernels` first: it JIT-compiles FlashInfer's top-k once (about 2 min), and
 # its sampling kernels, which every policy server builds at start-up; the engine half's six
 # servers compiling them side by side on a cold host took longer than a call's 10 min.
@@ -22,5 +23,6 @@ case "${1:-all}" in
   all) tests=("${kernels[@]}" tests/test_engine_gpu.py tests/test_engine_gpu_parallel.py) ;;
   *) echo "usage: $0 [kernels|engine|parallel|all]" >&2; exit 2 ;;
 esac
+if [[ $# -gt 1 ]]; then tests=("${@:2}"); fi
 "${PYTHON:-python3}" -m pytest -q -ra -p no:cacheprovider --basetemp "${OUT:-/tmp}/pytest${1:+-$1}" \
   --junitxml "${OUT:-/tmp}/gpu-tests${1:+-$1}.xml" "${tests[@]}"

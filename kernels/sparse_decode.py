@@ -5,11 +5,115 @@ indices plus `num_selected` [batch] int32; entries at or past num_selected[b] ar
 buffers keep their shapes from step to step and the launch stays CUDA-graph safe (no host sync).
 All query heads of a request share its selection. A selected page may extend past seq_len (the
 request's last page); its missing tokens are skipped.
+
+On CUDA a selection is read through a ``SlotTable``: each selection layer gathers its requests'
+selected KV slots once, and every sparse layer after it attends over that table with the split-KV
+kernel's whole-cache path (64-token tiles over slots, where the selected path walks pages through
+req_to_token in 32-token tiles).
 """
 
 import torch
+import triton
+import triton.language as tl
 
 from .split_kv_decode import SplitKVWorkspace, attend_positions_ref, split_kv_decode
+
+_GATHER_UNITS = 1024  # selected tokens per block of the gathering program
+
+
+@triton.jit
+def _gather_selected_kernel(
+    ReqToToken,
+    ReqPoolIdx,
+    SeqLens,
+    Selected,
+    NumSelected,
+    SlotTable,
+    EntryCount,
+    stride_r2t,
+    stride_selected,
+    stride_table,
+    SPAN: tl.constexpr,
+    BLOCK_UNITS: tl.constexpr,
+):
+    batch = tl.program_id(0).to(tl.int64)
+    req_row = ReqToToken + tl.load(ReqPoolIdx + batch).to(tl.int64) * stride_r2t
+    seq_len = tl.load(SeqLens + batch).to(tl.int32)
+    num = tl.load(NumSelected + batch)
+    offs_s = tl.arange(0, SPAN)
+    written = seq_len * 0
+    for start in range(0, num, BLOCK_UNITS):
+        offs_u = start + tl.arange(0, BLOCK_UNITS)
+        unit = tl.load(Selected + batch * stride_selected + offs_u, mask=offs_u < num, other=0)
+        first = unit * SPAN
+        # the tokens of a unit below seq_len, packed after the units before it
+        valid = tl.where(offs_u < num, tl.minimum(tl.maximum(seq_len - first, 0), SPAN), 0)
+        at = written + tl.cumsum(valid, 0) - valid
+        keep = offs_s[None, :] < valid[:, None]
+        slot = tl.load(req_row + first[:, None] + offs_s[None, :], mask=keep, other=0)
+        entry = SlotTable + batch * stride_table + at[:, None] + offs_s[None, :]
+        tl.store(entry, slot, mask=keep)
+        written += tl.sum(valid, 0)
+    tl.store(EntryCount + batch, written)
+
+
+def gather_selected_slots(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    selected: torch.Tensor,
+    num_selected: torch.Tensor,
+    page_size: int,
+    slot_table: torch.Tensor,
+    entry_count: torch.Tensor,
+) -> None:
+    """slot_table[b, :entry_count[b]] = the KV slots of request b's selected tokens below
+    seq_len, unit by unit in the selection's order; slot_table [>= batch, >= max_selected *
+    page_size] int32 and entry_count [>= batch] int32 are the caller's."""
+    batch = selected.shape[0]
+    _gather_selected_kernel[(batch,)](
+        req_to_token, req_pool_indices, seq_lens, selected, num_selected, slot_table,
+        entry_count, req_to_token.stride(0), selected.stride(0), slot_table.stride(0),
+        SPAN=page_size, BLOCK_UNITS=max(1, _GATHER_UNITS // page_size),
+    )  # fmt: skip
+
+
+def gather_selected_slots_ref(
+    req_to_token, req_pool_indices, seq_lens, selected, num_selected, page_size
+) -> list[torch.Tensor]:
+    """Torch oracle of gather_selected_slots: each request's slots, in order."""
+    offsets = torch.arange(page_size, device=selected.device)
+    slots = []
+    for b, (req, seq_len, count) in enumerate(
+        zip(req_pool_indices.tolist(), seq_lens.tolist(), num_selected.tolist())
+    ):
+        positions = (selected[b, :count, None].long() * page_size + offsets).flatten()
+        slots.append(req_to_token[req, positions[positions < seq_len]])
+    return slots
+
+
+class SlotTable:
+    """The KV slots of a step's current selection, owned up front: ``gather`` after each
+    selection layer, ``attend`` at the sparse layers that follow it."""
+
+    def __init__(self, max_batch: int, max_entries: int, device, workspace: SplitKVWorkspace):
+        self.slots = torch.zeros(max_batch, max_entries, dtype=torch.int32, device=device)
+        self.count = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self.rows = torch.arange(max_batch, dtype=torch.int64, device=device)
+        self.workspace = workspace
+
+    def gather(self, req_to_token, req_pool_indices, seq_lens, selected, num_selected, page_size):
+        gather_selected_slots(
+            req_to_token, req_pool_indices, seq_lens, selected, num_selected, page_size,
+            self.slots, self.count,
+        )  # fmt: skip
+
+    def attend(self, q, k_buffer, v_buffer, sm_scale: float) -> torch.Tensor:
+        """sparse_decode_attention of q [batch, q_heads, dim] over the gathered selection."""
+        batch = q.shape[0]
+        table = (self.slots, self.rows[:batch], self.count[:batch])
+        out, _ = split_kv_decode(q, k_buffer, v_buffer, *table, sm_scale, workspace=self.workspace)
+        return out
 
 
 def sparse_decode_attention(

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import torch
+from sglang_ext.kernels.sparse_decode import SlotTable, sparse_decode_attention_ref
 from sglang_ext.policies.base import DecodeContext, DecodeFn, KVPolicy, PolicyConfigError
 from sglang_ext.policies.calibration import find_calibration
 
@@ -208,7 +209,9 @@ class SelectionDecoder:
         )
         self.num_selected = torch.zeros(ctx.max_batch_size, dtype=torch.int32, device=ctx.device)
         self.row_budget = None  # each request's own budget, gathered once per step
-        self._attend_selected = _selected_attention(ctx, selection)
+        # on CUDA (without ART, which reads the selection in its order) each selection layer
+        # gathers its selection's slots once, for the sparse layers after it
+        self._table = None if ctx.art is not None else _slot_table(ctx, selection)
         self._art_scratch = ctx.art.scratch(ctx) if ctx.art is not None else None
         if ctx.request_values is not None:
             self.row_budget = torch.zeros(ctx.max_batch_size, device=ctx.device)
@@ -229,6 +232,10 @@ class SelectionDecoder:
             token_scores, page_scores, forward_batch.seq_lens, row_budget,
             out=(self.selected[:batch], self.num_selected[:batch]),
         )  # fmt: skip
+        if self._table is not None:
+            self._table.gather(
+                *cache[3:], self.selected[:batch], self.num_selected[:batch], self.rule.page_size
+            )
         if self._first_trim_unlogged and self._trims(forward_batch):
             self._log_selection(layer.layer_id, forward_batch.seq_lens, self.num_selected[:batch])
         return out.view(batch, -1)
@@ -249,7 +256,9 @@ class SelectionDecoder:
                 always_read=self.rule.num_recent * self.rule.page_size,
             )  # fmt: skip
             return out.view(batch, -1)
-        out = self._attend_selected(
+        if self._table is not None:
+            return self._table.attend(*cache[:3], layer.scaling).view(batch, -1)
+        out = sparse_decode_attention_ref(
             *cache,
             self.selected[:batch],
             self.num_selected[:batch],
@@ -313,12 +322,10 @@ def ragged_scoring(ctx: DecodeContext, use_probs: bool, page_size: int) -> tuple
     return attend_and_score, {"row_start": rows.row_start, "width": width}
 
 
-def _selected_attention(ctx: DecodeContext, selection: Selection) -> Callable:
-    """A sparse layer's attention: the kernel with its scratch owned up front on CUDA, the torch
-    reference elsewhere."""
-    from sglang_ext.kernels import sparse_decode as sd
-
+def _slot_table(ctx: DecodeContext, selection: Selection):
+    """The sparse layers' slot table with its scratch owned up front on CUDA; None elsewhere (the
+    torch reference reads the selection)."""
     if torch.device(ctx.device).type != "cuda":
-        return sd.sparse_decode_attention_ref
-    workspace = ctx.split_workspace(selection.budget * selection.page_size)
-    return functools.partial(sd.sparse_decode_attention, workspace=workspace)
+        return None
+    entries = selection.budget * selection.page_size
+    return SlotTable(ctx.max_batch_size, entries, ctx.device, ctx.split_workspace(entries))

@@ -8,7 +8,13 @@ import torch
 from kernel_cases import DEVICE, OUT_TOL, make_batch, selection_scores
 from sglang_ext.kernels.page_select import select_pages, select_tokens
 from sglang_ext.kernels.selection_attention import ScoreRows, selection_attention_ref
-from sglang_ext.kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_ref
+from sglang_ext.kernels.sparse_decode import (
+    SlotTable,
+    gather_selected_slots_ref,
+    sparse_decode_attention,
+    sparse_decode_attention_ref,
+)
+from sglang_ext.kernels.split_kv_decode import SplitKVWorkspace
 
 SEQ_LENS = (5, 37, 70)
 
@@ -58,6 +64,30 @@ def test_selected_tokens_match_reference(num_kv_heads, group, head_dim):
         sparse_decode_attention_ref(**kwargs),
         **OUT_TOL[torch.bfloat16],
     )
+
+
+@pytest.mark.parametrize(
+    "rows, page_size",
+    [([[0], [2, 0], [4, 1, 3]], 16), ([[4, 0], [36, 3, 20, 7, 8], list(range(69, 19, -1))], 1)],
+)
+def test_a_slot_table_gathers_the_selection_and_attends_as_the_pages_do(rows, page_size):
+    # pages: each request's partial last page, one mid-list (4 of 70 tokens); tokens unsorted
+    batch, sm_scale = make_batch(torch.bfloat16)
+    selected, count = selection(rows, width=50)
+    heads, dim = batch["q"].shape[1], batch["q"].shape[2]
+    workspace = SplitKVWorkspace(4, heads, 2, dim, max_tokens=50 * page_size, device=DEVICE)
+    table = SlotTable(4, 50 * page_size, DEVICE, workspace)
+    table.slots.fill_(-1)  # what a gather leaves past a count is never read
+    cache = [batch[k] for k in ("req_to_token", "req_pool_indices", "seq_lens")]
+    table.gather(*cache, selected, count, page_size)
+    for b, slots in enumerate(gather_selected_slots_ref(*cache, selected, count, page_size)):
+        assert table.count[b] == len(slots)
+        assert table.slots[b, : len(slots)].tolist() == slots.tolist()
+    out = table.attend(batch["q"], batch["k_buffer"], batch["v_buffer"], sm_scale)
+    expected = sparse_decode_attention_ref(
+        **batch, selected=selected, num_selected=count, sm_scale=sm_scale, page_size=page_size
+    )
+    torch.testing.assert_close(out, expected, **OUT_TOL[torch.bfloat16])
 
 
 def test_empty_selection_outputs_zeros():
