@@ -3,11 +3,13 @@ triton decode kernel on the same inputs, and against the bandwidth floor.
 
     python -m benchmarks.kernel_bench --shape qwen1.5b --batch 1,16,32,64 --context 4096,16384,32768
 
-Per (batch, context), one layer's time (replayed from a CUDA graph, as the engine decodes) of: SGLang's decode kernel (the baseline, `vanilla`); our
-split-KV kernel over the whole cache (`full`); a selection layer (attention + scores + selection)
-of DELTA and of Tidal; a sparse layer of each; the selection step alone with torch's top-k and
-FlashInfer's (`rank_*_ms`); a sparse layer's attention by our kernel and by FlashInfer's paged
-decode over the same selected slots (`sparse_ours_ms`, `sparse_flashinfer_ms`). From them, the attention time of one decode step of
+Per (batch, context), one layer's time (replayed from a CUDA graph, as the engine decodes) of:
+SGLang's decode kernel (the baseline, `vanilla`); our split-KV kernel over the whole cache
+(`full`); a selection layer (attention + scores + selection) of DELTA and of Tidal; a sparse layer
+of each; the selection step alone with torch's top-k and FlashInfer's (`rank_*_ms`); a sparse
+layer's attention by our kernel over the step's slot table and by FlashInfer's paged decode over
+the same selected slots (`sparse_ours_ms`, `sparse_flashinfer_ms`; the table's gather apart,
+`sparse_gather_ms`). From them, the attention time of one decode step of
 the whole model under each policy (layer roles from the paper defaults for its depth). The floor of
 a kernel is the K/V bytes it must read over a measured device-to-device copy bandwidth.
 """
@@ -192,41 +194,43 @@ def scores_tuning_rows(inputs, point: dict, info) -> list[Row]:
 
 def stage1_tuning_rows(inputs, budget_tokens: int, point: dict, info) -> list[Row]:
     """Our split-KV kernel under each stage-1 launch (``Stage1Launch``) as a selection layer runs
-    it (the whole cache, logits stored) and as a DELTA sparse layer does (16-token pages spread
-    over the cache): ``stage1_ms:<kind>:bn<block_n>-w<warps>-s<stages>``, the default marked."""
+    it (the whole cache, logits stored) and as a DELTA sparse layer does (the slot table of
+    16-token pages spread over the cache): ``stage1_ms:<kind>:bn<block_n>-w<warps>-s<stages>``,
+    the default marked."""
     import itertools
 
     from sglang_ext.kernels import split_kv_decode as skv
+    from sglang_ext.kernels.sparse_decode import SlotTable
 
     batch, q_heads, dim = inputs.q.shape
     kv_heads = inputs.k.shape[1]
     pages = min(budget_tokens, inputs.context) // PAGE
     stride = inputs.context // PAGE // pages
     chosen = torch.arange(pages, device="cuda", dtype=torch.int32) * stride
-    sparse = {
-        "selected": chosen.expand(batch, pages).contiguous(),
-        "num_selected": torch.full((batch,), pages, device="cuda", dtype=torch.int32),
-        "selected_span": PAGE,
-    }
+    table = SlotTable(batch, pages * PAGE, "cuda", workspace=None)
+    cache = inputs.cache()
+    selected = chosen.expand(batch, pages).contiguous()
+    num_selected = torch.full((batch,), pages, device="cuda", dtype=torch.int32)
+    table.gather(*cache[3:], selected, num_selected, PAGE)
+    over_table = (*cache[:3], table.slots, table.rows[:batch], table.count[:batch])
     logits = torch.empty(batch, q_heads, inputs.context, device="cuda", dtype=torch.float32)
     kinds = {
-        "select": ({"logits": logits}, inputs.context, skv.STAGE1_WHOLE),
-        "sparse": (sparse, pages * PAGE, skv.STAGE1_SELECTED),
+        "select": (cache, {"logits": logits}, inputs.context),
+        "sparse": (over_table, {}, pages * PAGE),
     }
     out = torch.empty_like(inputs.q)
     rows = []
-    for kind, (extra, tokens, default) in kinds.items():
+    for kind, (args, extra, tokens) in kinds.items():
         workspace = skv.SplitKVWorkspace(batch, q_heads, kv_heads, dim, tokens, "cuda")
         for block_n, warps, stages in itertools.product((32, 64), (4, 8), (1, 2, 3, 4)):
             launch = skv.Stage1Launch(block_n, warps, stages)
 
-            def run(launch=launch, extra=extra, workspace=workspace):
+            def run(launch=launch, args=args, extra=extra, workspace=workspace):
                 skv.split_kv_decode(
-                    *inputs.cache(), inputs.scale, **extra, workspace=workspace, out=out,
-                    launch=launch,
-                )  # fmt: skip
+                    *args, inputs.scale, **extra, workspace=workspace, out=out, launch=launch
+                )
 
-            name = f"bn{block_n}-w{warps}-s{stages}" + ("*" if launch == default else "")
+            name = f"bn{block_n}-w{warps}-s{stages}" + ("*" if launch == skv.STAGE1_WHOLE else "")
             metric = f"stage1_ms:{name}"
             rows.append(info.row(**point, policy=kind, metric=metric, value=time_ms(run)))
     return rows
@@ -279,14 +283,15 @@ def layer_rows(cfg, inputs, args, bandwidth, point: dict, info) -> list[Row]:
 
 
 def sparse_kernel_rows(inputs, budget_tokens: int, point: dict, info) -> list[Row]:
-    """A sparse layer's attention over one selection, by our kernel and by FlashInfer's paged
-    decode over the selected slots (page size 1, as SGLang's pool; planned outside the graph as
-    SGLang plans once per step): which one the sparse layers should run (issue 15). DELTA's
+    """A sparse layer's attention over one selection, by our kernel over the step's slot table
+    (its gather, once per selection layer, timed apart: ``sparse_gather_ms``) and by FlashInfer's
+    paged decode over the selected slots (page size 1, as SGLang's pool; planned outside the graph
+    as SGLang plans once per step): which one the sparse layers should run (issue 15). DELTA's
     selection is 16-token pages, Tidal's single tokens, both spread over the whole context."""
     import flashinfer
     from sglang.srt.layers.attention.flashinfer_backend import should_use_tensor_core
 
-    from sglang_ext.kernels.sparse_decode import sparse_decode_attention
+    from sglang_ext.kernels.sparse_decode import SlotTable
     from sglang_ext.kernels.split_kv_decode import SplitKVWorkspace
 
     batch, q_heads, dim = inputs.q.shape
@@ -300,12 +305,17 @@ def sparse_kernel_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
         num_selected = torch.full((batch,), units, device="cuda", dtype=torch.int32)
         workspace = SplitKVWorkspace(batch, q_heads, kv_heads, dim, units * page, "cuda")
         ours_out = torch.empty_like(inputs.q)
+        # as the engine runs it: the selection layer gathers once, each sparse layer attends
+        table = SlotTable(batch, units * page, "cuda", workspace)
+        cache = inputs.cache()
 
-        def ours(selected=selected, num_selected=num_selected, workspace=workspace, page=page):
-            sparse_decode_attention(
-                *inputs.cache(), selected, num_selected, inputs.scale, page_size=page,
-                workspace=workspace, out=ours_out,
-            )  # fmt: skip
+        def gather(table=table, selected=selected, num_selected=num_selected, page=page):
+            table.gather(*cache[3:], selected, num_selected, page)
+
+        def ours(table=table):
+            table.attend(*cache[:3], inputs.scale, out=ours_out)
+
+        gather_ms = time_ms(gather)
 
         positions = (selected[:, :, None].long() * page + torch.arange(page, device="cuda"))
         slots = inputs.req_to_token.gather(1, positions.flatten(1)).flatten()
@@ -331,6 +341,7 @@ def sparse_kernel_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
         torch.testing.assert_close(ours_out, theirs(), atol=2e-2, rtol=2e-2)
         rows += [
             info.row(**point, policy=policy, metric="sparse_ours_ms", value=ours_ms),
+            info.row(**point, policy=policy, metric="sparse_gather_ms", value=gather_ms),
             info.row(**point, policy=policy, metric="sparse_flashinfer_ms", value=theirs_ms),
         ]
     return rows

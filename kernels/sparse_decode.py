@@ -96,7 +96,9 @@ class SlotTable:
     """The KV slots of a step's current selection, owned up front: ``gather`` after each
     selection layer, ``attend`` at the sparse layers that follow it."""
 
-    def __init__(self, max_batch: int, max_entries: int, device, workspace: SplitKVWorkspace):
+    def __init__(
+        self, max_batch: int, max_entries: int, device, workspace: SplitKVWorkspace | None
+    ):
         self.slots = torch.zeros(max_batch, max_entries, dtype=torch.int32, device=device)
         self.count = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.rows = torch.arange(max_batch, dtype=torch.int64, device=device)
@@ -108,11 +110,14 @@ class SlotTable:
             self.slots, self.count,
         )  # fmt: skip
 
-    def attend(self, q, k_buffer, v_buffer, sm_scale: float) -> torch.Tensor:
-        """sparse_decode_attention of q [batch, q_heads, dim] over the gathered selection."""
+    def attend(self, q, k_buffer, v_buffer, sm_scale: float, out=None) -> torch.Tensor:
+        """Attention of q [batch, q_heads, dim] over the gathered selection (``workspace``: the
+        split-KV kernel's scratch; None allocates it)."""
         batch = q.shape[0]
         table = (self.slots, self.rows[:batch], self.count[:batch])
-        out, _ = split_kv_decode(q, k_buffer, v_buffer, *table, sm_scale, workspace=self.workspace)
+        out, _ = split_kv_decode(
+            q, k_buffer, v_buffer, *table, sm_scale, workspace=self.workspace, out=out
+        )
         return out
 
 
@@ -127,18 +132,16 @@ def sparse_decode_attention(
     num_selected: torch.Tensor,
     sm_scale: float,
     page_size: int = 16,
-    num_kv_splits: int | None = None,
-    workspace: SplitKVWorkspace | None = None,
-    out: torch.Tensor | None = None,
+    table: SlotTable | None = None,
 ) -> torch.Tensor:
     """Attention of q [batch, q_heads, dim] over the selected pages (page_size=16, DELTA) or
-    tokens (page_size=1, TidalDecode). Returns out [batch, q_heads, dim] in q's dtype; the
-    arithmetic is fp32. num_kv_splits and workspace as for split_kv_decode."""
-    cache = (q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale)
-    selection = {"selected": selected, "num_selected": num_selected, "selected_span": page_size}
-    splitting = {"num_kv_splits": num_kv_splits, "workspace": workspace}
-    out, _ = split_kv_decode(*cache, **selection, **splitting, out=out)
-    return out
+    tokens (page_size=1, TidalDecode), as a sparse layer right after its selection layer computes
+    it: gathered into ``table`` (a new one by default), then attended over. Returns out [batch,
+    q_heads, dim] in q's dtype; the arithmetic is fp32."""
+    if table is None:
+        table = SlotTable(q.shape[0], selected.shape[1] * page_size, q.device, workspace=None)
+    table.gather(req_to_token, req_pool_indices, seq_lens, selected, num_selected, page_size)
+    return table.attend(q, k_buffer, v_buffer, sm_scale)
 
 
 def sparse_decode_attention_ref(
