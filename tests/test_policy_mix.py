@@ -159,7 +159,7 @@ def test_each_row_of_a_mixed_batch_decodes_as_under_its_own_policy_alone(device,
 def test_engine_attention_shared_by_some_members_reads_only_their_rows():
     mix = build_policy(NAME, MEMBERS)
     asked: list = []
-    mixed, runtime, cache = decode_step(mix, ROWS, "cpu", lambda c: engine_rows(c, asked))
+    mixed, _, cache = decode_step(mix, ROWS, "cpu", lambda c: engine_rows(c, asked))
     plain, _, _ = decode_step(mix, ROWS, "cpu")
     torch.testing.assert_close(mixed, plain, **cache.tol)  # no unread row's output kept
     # one engine call of the members attending fully at a layer: delta, tidal and full at layer
