@@ -7,8 +7,10 @@ same run: SGLang's one-batch benchmark under the torch profiler (CUDA graphs on,
 Per policy and point, rows of each kernel's GPU time per decode step (``kernel_ms:NAME``, or
 ``kernel_ms:NAME[grid]`` for a kernel launched with several grids; the
 ``--top`` longest, the rest summed as ``kernel_ms:(other)``), the kernels launched per step
-(``kernels_per_step``) and their summed time (``gpu_busy_ms``). The profiled steps are not the
-timed ones: benchmarks.decode_step measures latency without the profiler.
+(``kernels_per_step``) and their summed time (``gpu_busy_ms``); the GPU's idle time between a
+step's kernels (``gpu_idle_in_step_ms``, gaps up to HOST_GAP_US: launch latency) and between steps
+(``host_gap_ms``: host work the GPU waits for). The profiled steps are not the timed ones:
+benchmarks.decode_step measures latency without the profiler.
 """
 
 from __future__ import annotations
@@ -36,17 +38,42 @@ def build_parser():
     return parser
 
 
-def kernel_times_us(trace_path: Path) -> dict[str, list[float]]:
-    """Each GPU kernel's durations (µs) in a torch-profiler chrome trace, by kernel name; a kernel
-    launched with several grids is split by grid, ``NAME[x,y,z]`` (our split-KV stage 1 over the
-    whole cache and over selected pages are one kernel with different grids)."""
+# A GPU gap longer than this is the host's (sampling's read-back, the next step's preparation);
+# shorter ones are launch latency between kernels inside a step's CUDA graph.
+HOST_GAP_US = 50.0
+
+
+def kernel_events(trace_path: Path) -> list[dict]:
+    """The GPU kernels of a torch-profiler chrome trace, in start order."""
     with gzip.open(trace_path, "rt") as f:
         events = json.load(f)["traceEvents"]
+    kernels = [event for event in events if event.get("cat") == "kernel"]
+    return sorted(kernels, key=lambda event: float(event["ts"]))
+
+
+def idle_gaps_us(kernels: list[dict]) -> tuple[float, float]:
+    """(idle µs between kernels in gaps up to HOST_GAP_US, idle µs in longer gaps)."""
+    short = long = 0.0
+    end = None
+    for event in kernels:
+        start = float(event["ts"])
+        if end is not None and start > end:
+            if start - end <= HOST_GAP_US:
+                short += start - end
+            else:
+                long += start - end
+        end = max(end or start, start + float(event["dur"]))
+    return short, long
+
+
+def kernel_times_us(kernels: list[dict]) -> dict[str, list[float]]:
+    """Each GPU kernel's durations (µs), by kernel name; a kernel launched with several grids is
+    split by grid, ``NAME[x,y,z]`` (our split-KV stage 1 over the whole cache and over selected
+    pages are one kernel with different grids)."""
     by_grid = collections.defaultdict(lambda: collections.defaultdict(list))
-    for event in events:
-        if event.get("cat") == "kernel":
-            grid = ",".join(map(str, event.get("args", {}).get("grid", [])))
-            by_grid[short_name(event["name"])][grid].append(float(event["dur"]))
+    for event in kernels:
+        grid = ",".join(map(str, event.get("args", {}).get("grid", [])))
+        by_grid[short_name(event["name"])][grid].append(float(event["dur"]))
     times = {}
     for name, grids in by_grid.items():
         for grid, durations in grids.items():
@@ -60,7 +87,8 @@ def short_name(kernel: str) -> str:
     return name.rsplit("::", 1)[-1][:60] or kernel[:60]
 
 
-def profile_rows(point: dict, times: dict[str, list[float]], steps: int, top: int, info) -> list:
+def profile_rows(point: dict, kernels: list[dict], steps: int, top: int, info) -> list:
+    times = kernel_times_us(kernels)
     per_step = {name: sum(durations) / steps / 1e3 for name, durations in times.items()}
     ranked = sorted(per_step.items(), key=lambda item: -item[1])
     rows = [info.row(**point, metric=f"kernel_ms:{name}", value=ms) for name, ms in ranked[:top]]
@@ -72,6 +100,11 @@ def profile_rows(point: dict, times: dict[str, list[float]], steps: int, top: in
         info.row(**point, metric="kernels_per_step", value=launched),
         info.row(**point, metric="gpu_busy_ms", value=sum(per_step.values())),
     ]
+    # the profiled steps' kernels lie between the first's and the last's: steps - 1 host gaps
+    short, long = idle_gaps_us(kernels)
+    rows.append(info.row(**point, metric="gpu_idle_in_step_ms", value=short / steps / 1e3))
+    if steps > 1:
+        rows.append(info.row(**point, metric="host_gap_ms", value=long / (steps - 1) / 1e3))
     return rows
 
 
@@ -101,8 +134,8 @@ def main(argv: list[str] | None = None) -> None:
                     context=context, attention_backend=result["backend_flag"], kv_source=kv_source,
                     budget=harness.policy_budget(policy, args.policy_config),
                 )  # fmt: skip
-                times = kernel_times_us(trace)
-                rows += profile_rows(point, times, args.profile_steps, args.top, info)
+                kernels = kernel_events(trace)
+                rows += profile_rows(point, kernels, args.profile_steps, args.top, info)
     harness.save_results(BENCH, harness.run_label(args), rows, info, args.out_dir, args.results_md)
 
 

@@ -233,6 +233,16 @@ def stage1_tuning_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
             name = f"bn{block_n}-w{warps}-s{stages}" + ("*" if launch == skv.STAGE1_WHOLE else "")
             metric = f"stage1_ms:{name}"
             rows.append(info.row(**point, policy=kind, metric=metric, value=time_ms(run)))
+        # the split count (num_kv_splits_for's choice marked), at the kind's default launch
+        default = skv.num_kv_splits_for(batch, kv_heads, tokens, "cuda")
+        for splits in sorted({2, 4, 8, 16, 32, 64, default}):
+            fixed = skv.SplitKVWorkspace(batch, q_heads, kv_heads, dim, tokens, "cuda", splits)
+
+            def run(args=args, extra=extra, workspace=fixed):
+                skv.split_kv_decode(*args, inputs.scale, **extra, workspace=workspace, out=out)
+
+            metric = f"stage1_ms:splits{splits}" + ("*" if splits == default else "")
+            rows.append(info.row(**point, policy=kind, metric=metric, value=time_ms(run)))
     return rows
 
 

@@ -204,12 +204,25 @@ def select_tokens(
 # small kernels (mask, top-k, gather, cat, sort, pad): at batch 1 their launches, not their work,
 # cost most of a selection layer. It reads only the request's own units, held in registers, so
 # one pass takes rows of at most this many units: DELTA's pages at 128k tokens, Tidal's tokens at
-# 8k. A wider row is cut into chunks of this many units; each chunk keeps its own best (budget -
-# num_recent) candidates, and merges of as many lists as one pass holds choose among those, in a
-# tree, until one list is left (exact: a unit among the row's best is among its chunk's and its
-# group's best). Chunks and merges past a request's length skip their work. Passes over rows held
-# in memory, instead, were measured slower than FlashInfer's top-k (RESULTS.md, 2026-11-24).
+# 8k. A wider row is cut into chunks of at most that many (``chunk_units``); each keeps its best
+# (budget - num_recent) candidates, and merges of as many lists as one pass holds choose among
+# those, in a tree, until one list is left (exact: a unit among the row's best is among its
+# chunk's and its group's best). Chunks and merges past a request's length skip their work.
+# Passes over rows held in memory, instead, were measured slower than FlashInfer's top-k
+# (RESULTS.md, 2026-11-24).
 FUSED_MAX_UNITS = 8192
+# A chunk holds this many units per candidate it keeps, at least MIN_CHUNK_UNITS: a short
+# request's row then spreads over several programs. DELTA's 56 candidates took whole 8192-unit
+# chunks, one program's pass of 52 µs per selection layer at batch 1 (H100, RESULTS.md
+# 2026-11-26); Tidal's ~1k candidates keep the widest chunks, which spare merges.
+UNITS_PER_CANDIDATE = 16
+MIN_CHUNK_UNITS = 1024
+
+
+def chunk_units(per_list: int) -> int:
+    """Units of a chunk whose best ``per_list`` candidates make one list."""
+    wanted = triton.next_power_of_2(UNITS_PER_CANDIDATE * max(per_list, 1))
+    return min(FUSED_MAX_UNITS, max(MIN_CHUNK_UNITS, wanted))
 
 
 @triton.jit
@@ -439,7 +452,7 @@ def select_units_fused(
     num_sink: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``select_pages`` (ascending order, not ``by_importance``) by the fused kernels: one pass
-    for rows of at most FUSED_MAX_UNITS units, else each chunk's best merged in a tree (rows
+    for rows of at most one chunk (``chunk_units``), else each chunk's best merged in a tree (rows
     ``fused_fits`` takes); the oracle is ``select_pages``. ``scores`` [batch, width] fp32 must
     cover every unit of each request; ``out`` (selected [batch, budget] int32, num_selected
     [batch] int32) receives the result in place. Ragged scores (``ScoreRows``): ``scores`` is
@@ -466,7 +479,8 @@ def select_units_fused(
     per_list = budget - num_recent
     shared = {"PAGE": page_size, "HAS_ROW_BUDGET": row_budget is not None, "num_warps": 8}
     finish = {"BUDGET_BLOCK": triton.next_power_of_2(budget)}
-    if width <= FUSED_MAX_UNITS or per_list == 0:  # (nothing to choose: only the recent units)
+    chunk = chunk_units(per_list)
+    if width <= chunk or per_list == 0:  # (nothing to choose: only the recent units)
         block = triton.next_power_of_2(width) if per_list else 16
         _select_kernel[(batch,)](
             scores, starts, seq_lens, rows, selected, num_selected, scores_stride,
@@ -476,11 +490,11 @@ def select_units_fused(
         return selected, num_selected
     # Candidate lists, allocated here (inside a CUDA graph: the graph's own pool); the chunks'
     # programs past a request's length, and merges of such chunks, only record empty lists.
-    lists = triton.cdiv(width, FUSED_MAX_UNITS)
+    lists = triton.cdiv(width, chunk)
     best, best_scores, num_best = _candidate_lists(batch, lists, per_list, scores)
     _chunk_best_kernel[(batch, lists)](
         scores, starts, seq_lens, rows, best, best_scores, num_best, scores_stride,
-        best.stride(0), budget, num_recent, num_sink, RAGGED=ragged, CHUNK=FUSED_MAX_UNITS,
+        best.stride(0), budget, num_recent, num_sink, RAGGED=ragged, CHUNK=chunk,
         **shared,
     )  # fmt: skip
     per_group = FUSED_MAX_UNITS // per_list

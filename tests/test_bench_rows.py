@@ -145,27 +145,33 @@ def test_a_profile_gives_each_kernels_time_per_step_and_sums_the_rest(tmp_path):
     import gzip
     import json
 
+    # two steps (listed out of order): 2 + 3 µs idle inside the first, 1 inside the second, and
+    # 200 µs of host work between them
     events = [
-        {"cat": "kernel", "name": "void flashinfer::BatchDecodeKernel<128u>(float*)", "dur": 10.0},
-        {"cat": "kernel", "name": "_stage1", "dur": 5.0, "args": {"grid": [1, 2, 64]}},
-        {"cat": "kernel", "name": "_stage1", "dur": 7.0, "args": {"grid": [1, 2, 64]}},
-        {"cat": "kernel", "name": "_stage1", "dur": 0.5, "args": {"grid": [1, 2, 8]}},
-        {"cat": "kernel", "name": "_scores_kernel", "dur": 1.0, "args": {"grid": [1, 128, 1]}},
-        {"cat": "cpu_op", "name": "aten::mm", "dur": 99.0},  # host time is not GPU time
-    ]
+        {"cat": "kernel", "name": "_stage1", "ts": 220.5, "dur": 7.0, "args": {"grid": [1, 2, 64]}},
+        {"cat": "kernel", "name": "void flashinfer::BatchDecodeKernel<128u>(float*)", "ts": 0,
+         "dur": 10.0},
+        {"cat": "kernel", "name": "_stage1", "ts": 12, "dur": 5.0, "args": {"grid": [1, 2, 64]}},
+        {"cat": "kernel", "name": "_stage1", "ts": 20, "dur": 0.5, "args": {"grid": [1, 2, 8]}},
+        {"cat": "kernel", "name": "_scores_kernel", "ts": 228.5, "dur": 1.0,
+         "args": {"grid": [1, 128, 1]}},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 30, "dur": 99.0},  # host time is not GPU's
+    ]  # fmt: skip
     trace = tmp_path / "p_batch1_input32768_output8_decode.trace.json.gz"
     with gzip.open(trace, "wt") as f:
         json.dump({"traceEvents": events}, f)
-    times = decode_profile.kernel_times_us(trace)
+    kernels = decode_profile.kernel_events(trace)
+    times = decode_profile.kernel_times_us(kernels)
     # one kernel under two grids (whole cache, selected pages) is split by grid
     split = {"_stage1[1,2,64]", "_stage1[1,2,8]"}
     assert set(times) == {"BatchDecodeKernel", "_scores_kernel", *split}
     point = dict(bench="decode_profile", policy="delta", model_shape="s", batch=1, context=32768)
     info = harness.RunInfo("GPU", "0.5.17", "2.11", "2026-11-24", "cmd")
-    rows = {r.metric: r.value for r in decode_profile.profile_rows(point, times, 2, 1, info)}
+    rows = {r.metric: r.value for r in decode_profile.profile_rows(point, kernels, 2, 1, info)}
     assert rows == pytest.approx({
         "kernel_ms:_stage1[1,2,64]": 0.006, "kernel_ms:(other)": 0.00575,
-        "kernels_per_step": 2.5, "gpu_busy_ms": 0.01175,
+        "kernels_per_step": 2.5, "gpu_busy_ms": 0.01175, "gpu_idle_in_step_ms": 0.003,
+        "host_gap_ms": 0.2,
     })  # fmt: skip
 
 

@@ -212,6 +212,23 @@ def test_wide_rows_choose_among_each_chunks_best(monkeypatch):
     assert_fused_matches_oracle(ties, lens, 33, 1, 1, own * 2, num_sink=12)
 
 
+def test_few_candidates_spread_a_row_over_narrower_chunks(monkeypatch):
+    # DELTA's 56 candidates take 1024-page chunks (a 32k request: two programs, not one 8192-page
+    # pass); Tidal's ~1k keep the widest
+    assert page_select.chunk_units(56) == 1024 and page_select.chunk_units(1023) == 8192
+    monkeypatch.setattr(page_select, "FUSED_MAX_UNITS", 64)
+    monkeypatch.setattr(page_select, "MIN_CHUNK_UNITS", 8)
+    assert page_select.chunk_units(2) == 32 and page_select.chunk_units(12) == 64
+    gen = torch.Generator().manual_seed(7)
+    lens = torch.tensor([1, 31, 32, 33, 100, 200], dtype=torch.int32, device=DEVICE)
+    ties = torch.randint(-3, 3, (len(lens), 200), generator=gen).float().to(DEVICE) * 0.75
+    own = torch.tensor([1, 3, 2, 3, 3, 2], dtype=torch.float32, device=DEVICE)
+    # 2 candidates a list: 32-unit chunks, 7 of them, one merge
+    assert_fused_matches_oracle(ties, lens, 3, 1, 1)
+    assert_fused_matches_oracle(ties, lens, 3, 1, 1, own)
+    assert_fused_matches_oracle(ties, lens * 16, 4, 2, 16, num_sink=1)
+
+
 def test_choices_wider_than_a_merge_holds_take_the_top_k_path(monkeypatch):
     monkeypatch.setattr(page_select, "FUSED_MAX_UNITS", 64)
     scores = torch.rand(2, 200, device=DEVICE)
