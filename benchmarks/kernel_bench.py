@@ -233,8 +233,9 @@ def stage1_tuning_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
             name = f"bn{block_n}-w{warps}-s{stages}" + ("*" if launch == skv.STAGE1_WHOLE else "")
             metric = f"stage1_ms:{name}"
             rows.append(info.row(**point, policy=kind, metric=metric, value=time_ms(run)))
-        # the split count (num_kv_splits_for's choice marked), at the kind's default launch
-        default = skv.num_kv_splits_for(batch, kv_heads, tokens, "cuda")
+        # the split count (the engine's choice marked), at the kind's default launch
+        per_sm = skv.SHORT_LIST_PROGRAMS_PER_SM if kind == "sparse" else skv.PROGRAMS_PER_SM
+        default = skv.num_kv_splits_for(batch, kv_heads, tokens, "cuda", per_sm)
         for splits in sorted({2, 4, 8, 16, 32, 64, default}):
             fixed = skv.SplitKVWorkspace(batch, q_heads, kv_heads, dim, tokens, "cuda", splits)
 
@@ -302,7 +303,7 @@ def sparse_kernel_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
     from sglang.srt.layers.attention.flashinfer_backend import should_use_tensor_core
 
     from sglang_ext.kernels.sparse_decode import SlotTable
-    from sglang_ext.kernels.split_kv_decode import SplitKVWorkspace
+    from sglang_ext.kernels.split_kv_decode import SHORT_LIST_PROGRAMS_PER_SM, SplitKVWorkspace
 
     batch, q_heads, dim = inputs.q.shape
     kv_heads = inputs.k.shape[1]
@@ -313,7 +314,10 @@ def sparse_kernel_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
         chosen = torch.arange(units, device="cuda", dtype=torch.int32) * stride
         selected = chosen.expand(batch, units).contiguous()
         num_selected = torch.full((batch,), units, device="cuda", dtype=torch.int32)
-        workspace = SplitKVWorkspace(batch, q_heads, kv_heads, dim, units * page, "cuda")
+        workspace = SplitKVWorkspace(
+            batch, q_heads, kv_heads, dim, units * page, "cuda",
+            programs_per_sm=SHORT_LIST_PROGRAMS_PER_SM,
+        )  # fmt: skip
         ours_out = torch.empty_like(inputs.q)
         # as the engine runs it: the selection layer gathers once, each sparse layer attends
         table = SlotTable(batch, units * page, "cuda", workspace)

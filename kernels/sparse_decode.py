@@ -16,7 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .split_kv_decode import SplitKVWorkspace, attend_positions_ref, split_kv_decode
+from .split_kv_decode import (
+    SHORT_LIST_PROGRAMS_PER_SM,
+    SplitKVWorkspace,
+    attend_positions_ref,
+    num_kv_splits_for,
+    split_kv_decode,
+)
 
 _GATHER_UNITS = 1024  # selected tokens per block of the gathering program
 
@@ -112,12 +118,20 @@ class SlotTable:
 
     def attend(self, q, k_buffer, v_buffer, sm_scale: float, out=None) -> torch.Tensor:
         """Attention of q [batch, q_heads, dim] over the gathered selection (``workspace``: the
-        split-KV kernel's scratch; None allocates it)."""
+        split-KV kernel's scratch, made with ``programs_per_sm=SHORT_LIST_PROGRAMS_PER_SM``;
+        None allocates it)."""
         batch = q.shape[0]
         table = (self.slots, self.rows[:batch], self.count[:batch])
+        splits = None
+        if self.workspace is None:
+            entries, kv_heads = self.slots.shape[1], k_buffer.shape[1]
+            splits = num_kv_splits_for(
+                batch, kv_heads, entries, q.device, SHORT_LIST_PROGRAMS_PER_SM
+            )
         out, _ = split_kv_decode(
-            q, k_buffer, v_buffer, *table, sm_scale, workspace=self.workspace, out=out
-        )
+            q, k_buffer, v_buffer, *table, sm_scale, num_kv_splits=splits,
+            workspace=self.workspace, out=out,
+        )  # fmt: skip
         return out
 
 

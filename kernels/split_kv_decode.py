@@ -21,6 +21,10 @@ _BLOCK_N = 32  # the split granularity, like SGLang's MIN_BLOCK_KV
 # A grid of about this many programs per SM hides memory latency; a fixed split count left most
 # SMs idle at small batches (8 splits x 2 KV heads = 16 programs on 132 SMs at batch 1).
 PROGRAMS_PER_SM = 4
+# Over a short list (a sparse layer's 1k-token selection) fewer, longer splits are faster:
+# measured (kernel_bench --parts tune, H200, 2026-11-26) 8 splits at batch 32 take 15.0 µs where
+# the 16 of four programs per SM take 19.2; whole-cache reads are flat from 4 programs per SM on.
+SHORT_LIST_PROGRAMS_PER_SM = 2
 MAX_KV_SPLITS = 128
 # Triton's interpreter multiplies bf16 tl.dot operands as raw uint16 bits (triton 3.8), so under it
 # the dots run on fp32 copies; compiled kernels keep native-dtype tensor-core dots.
@@ -241,11 +245,13 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def num_kv_splits_for(batch: int, num_kv_heads: int, max_tokens: int, device) -> int:
-    """Splits per (request, KV head): enough programs to fill the GPU, none narrower than one
-    block of ``max_tokens`` (the most a request attends to), a power of two (few compiled
+def num_kv_splits_for(
+    batch: int, num_kv_heads: int, max_tokens: int, device, programs_per_sm: int = PROGRAMS_PER_SM
+) -> int:
+    """Splits per (request, KV head): ``programs_per_sm`` programs on every SM, none narrower
+    than one block of ``max_tokens`` (the most a request attends to), a power of two (few compiled
     variants). It depends on shapes only, so a CUDA graph captured for a batch size keeps it."""
-    wanted = triton.cdiv(PROGRAMS_PER_SM * _num_sms(torch.device(device)), batch * num_kv_heads)
+    wanted = triton.cdiv(programs_per_sm * _num_sms(torch.device(device)), batch * num_kv_heads)
     useful = triton.cdiv(max_tokens, _BLOCK_N)
     return min(triton.next_power_of_2(max(1, min(wanted, useful))), MAX_KV_SPLITS)
 
@@ -254,15 +260,17 @@ class SplitKVWorkspace:
     """split_kv_decode's scratch for one layer shape, owned up front: each split's partial output
     and LSE for batches up to ``max_batch`` at the split counts ``num_kv_splits_for`` picks, and
     the merged LSE. A call takes views of it, so decode allocates nothing. ``num_splits`` fixes
-    one split count for every batch (ART's kernel takes its count as a compile-time constant)."""
+    one split count for every batch (ART's kernel takes its count as a compile-time constant);
+    ``programs_per_sm`` is num_kv_splits_for's."""
 
     def __init__(
-        self, max_batch, num_q_heads, num_kv_heads, head_dim, max_tokens, device, num_splits=None
-    ):
+        self, max_batch, num_q_heads, num_kv_heads, head_dim, max_tokens, device, num_splits=None,
+        programs_per_sm=PROGRAMS_PER_SM,
+    ):  # fmt: skip
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.max_tokens, self.device = max_tokens, torch.device(device)
         self.splits = [0] + [
-            num_splits or num_kv_splits_for(b, num_kv_heads, max_tokens, device)
+            num_splits or num_kv_splits_for(b, num_kv_heads, max_tokens, device, programs_per_sm)
             for b in range(1, max_batch + 1)
         ]
         most = max(b * splits for b, splits in enumerate(self.splits))

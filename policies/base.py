@@ -97,11 +97,11 @@ class DecodeContext:
         or every request slot at full context where the pool's size is unknown."""
         return self.kv_pool_tokens or self.max_batch_size * self.req_to_token.shape[1]
 
-    def split_workspace(self, max_tokens: int, num_splits: int | None = None):
+    def split_workspace(self, max_tokens: int, num_splits: int | None = None, **splits_rule):
         """Scratch of the split-KV kernel (kernels.split_kv_decode) for requests attending to up
-        to ``max_tokens`` tokens (or ``num_splits`` splits at every batch size), sized for the
-        largest batch; None off CUDA (the torch references need none) or when the heads are
-        unknown (the kernel then allocates)."""
+        to ``max_tokens`` tokens (or ``num_splits`` splits at every batch size; ``splits_rule``:
+        SplitKVWorkspace's ``programs_per_sm``), sized for the largest batch; None off CUDA (the
+        torch references need none) or when the heads are unknown (the kernel then allocates)."""
         if torch.device(self.device).type != "cuda" or self.num_q_heads is None:
             return None
         from sglang_ext.kernels.split_kv_decode import SplitKVWorkspace
@@ -109,7 +109,7 @@ class DecodeContext:
         kv_heads = self.kv_pool.get_key_buffer(0).shape[1]
         return SplitKVWorkspace(
             self.max_batch_size, self.num_q_heads, kv_heads, self.head_dim, max_tokens,
-            self.device, num_splits,
+            self.device, num_splits, **splits_rule,
         )  # fmt: skip
 
 
