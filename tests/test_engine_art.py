@@ -88,6 +88,15 @@ def test_a_request_may_set_its_own_thresholds_or_read_everything(servers):
     assert loose[0] - read_all[0] < loose[1] - read_all[1]  # some skipped
 
 
+def _healthy(server, checks: int = 3) -> bool:
+    """Whether one of a few /health checks passes. Each is a one-token generation SGLang gives 20 s;
+    on 2 cores beside three other servers one was seen to miss it (CI, 2026-11-26), and the next
+    one shows whether the server is alive."""
+    return any(
+        requests.get(f"{server.url}/health", timeout=30).status_code == 200 for _ in range(checks)
+    )
+
+
 def _tiles(server) -> tuple[float, float]:
     """(tiles read, tiles in the traversals) so far, from the extension's Prometheus metrics;
     they lag the kernel by a step or so (copied back without waiting)."""
@@ -102,7 +111,7 @@ def _tiles(server) -> tuple[float, float]:
 def test_no_kv_leak_after_the_requests(servers):
     for server in servers.values():
         server.wait_idle()
-        assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
+        assert _healthy(server)
         log = server.log()
         assert "leak" not in log.lower() and "Traceback" not in log
 
