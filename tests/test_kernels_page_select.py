@@ -190,6 +190,17 @@ def test_fused_selection_keeps_the_rule():
     assert_fused_matches_oracle(ties[:, :40], lens, 6, 2, 16, num_sink=1)
 
 
+def test_keys_alike_but_for_their_low_bits_rank_exactly():
+    # every key shares its top bytes: the threshold is found in its last bits; negative ones too
+    gen = torch.Generator().manual_seed(11)
+    lens = torch.tensor([3, 90, 257, 600], dtype=torch.int32, device=DEVICE)
+    steps = torch.randint(0, 300, (len(lens), 600), generator=gen).float()
+    near = (1.0 + steps * 2.0**-23).to(DEVICE)
+    assert_fused_matches_oracle(near, lens, 40, 1, 1)
+    assert_fused_matches_oracle(-near, lens, 40, 1, 1)
+    assert_fused_matches_oracle(near[:, :40], lens, 6, 2, 16)
+
+
 def test_wide_rows_choose_among_each_chunks_best(monkeypatch):
     # 64-unit chunks stand in for 8192-unit ones: rows of up to twenty chunks, ties across chunks
     monkeypatch.setattr(page_select, "FUSED_MAX_UNITS", 64)
