@@ -47,7 +47,7 @@ def test_runtime_env_selects_the_cpu_engine(cpu_host):
 def test_server_flags_select_torch_native_pytorch_sampling_and_no_cuda_graphs(cpu_host):
     assert cpu.as_argv(cpu.server_flags()) == [
         "--device", "cpu", "--attention-backend", "torch_native",
-        "--sampling-backend", "pytorch", "--disable-cuda-graph",
+        "--sampling-backend", "pytorch", "--disable-cuda-graph", "--sleep-on-idle",
     ]
 
 

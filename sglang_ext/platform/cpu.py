@@ -23,6 +23,9 @@ SERVER_FLAGS: dict[str, str | None] = {
     "--attention-backend": "torch_native",
     "--sampling-backend": "pytorch",
     "--disable-cuda-graph": None,
+    # an idle scheduler otherwise polls its sockets in a busy loop, a core that the busy servers of
+    # a small host lose (four idle test servers on 2 cores slowed the fifth's decode several-fold)
+    "--sleep-on-idle": None,
 }
 
 
