@@ -139,7 +139,10 @@ def trace_decode(model, input_ids: list[int], decode_steps: int) -> DecodeTrace:
 def cpu_context(num_layers: int, fingerprint: dict | None = None) -> DecodeContext:
     """A decode context for replaying selections: building one reads only its device, and
     ``for_model`` its depth and fingerprint (for the calibration file), as in the engine."""
-    return DecodeContext(num_layers, None, None, None, None, 1, torch.device("cpu"), fingerprint)
+    return DecodeContext(
+        num_layers=num_layers, base_decode=None, write_kv=None, kv_pool=None, req_to_token=None,
+        max_batch_size=1, device=torch.device("cpu"), model_fingerprint=fingerprint,
+    )  # fmt: skip
 
 
 # A selection layer's token score from its [q_heads, seq_len] logits, by the policy's ``score``.

@@ -186,7 +186,8 @@ def test_cli_writes_a_calibration_the_policies_find_and_accept(
     assert (tmp_path / "plot.png").stat().st_size > 0
     from transformers import AutoConfig
 
-    found = find_calibration(model_fingerprint(AutoConfig.from_pretrained(str(tiny_model_dir))))
+    fingerprint = model_fingerprint(AutoConfig.from_pretrained(str(tiny_model_dir)))
+    found = find_calibration(fingerprint)
     assert found is not None and found["path"] == str(out)
     assert found == {**json.loads(out.read_text()), "path": str(out)}
     delta = build_policy("delta", found["delta"])
@@ -200,3 +201,7 @@ def test_cli_writes_a_calibration_the_policies_find_and_accept(
     assert tried[str(tidal.selection_layers)] == min(tried.values())
     assert str(delta.delta_layers) in measured["agreement_kl"]["delta"]
     assert found["source"]["decode_steps"] == 2
+    # the replays (agreement, recall) resolve unset layers through the same file
+    replay = at.cpu_context(LAYERS, fingerprint)
+    assert build_policy("delta").for_model(replay).delta_layers == delta.delta_layers
+    assert build_policy("tidal").for_model(replay).selection_layers == tidal.selection_layers
