@@ -267,7 +267,7 @@ def _keep_best(keys, is_candidate, num_top):
     kept one lands in ascending order (a prefix sum). The threshold is the largest key with at
     least num_top candidate keys at or above it (the num_top-th largest), found bit by bit from
     the top; of the keys equal to it, the lowest offsets are kept. A byte at a time by four
-    tl.histogram rounds measured 1.8-2x slower (H100, RESULTS.md 2026-11-26)."""
+    tl.histogram rounds measured 1.4-2x slower (H100, RESULTS.md 2026-11-26)."""
     threshold = tl.zeros((), tl.uint32)
     for bit in tl.static_range(31, -1, -1):
         trial = threshold | (1 << bit)

@@ -53,9 +53,11 @@ class RankGroup:
             raise RuntimeError(f"sglang_ext: tensor-parallel ranks disagree on {what}")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DecodeContext:
-    """What the attention backend gives a policy at start-up to build its decode functions."""
+    """What the attention backend gives a policy at start-up to build its decode functions.
+    Keyword-only: a field inserted before another (the mix's ``base_decode_rows``) silently
+    shifted a positional caller's fingerprint into it."""
 
     num_layers: int
     base_decode: DecodeFn  # the engine's own full attention (writes the new token's K/V itself)
