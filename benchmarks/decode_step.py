@@ -61,10 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_policy(
-    args: argparse.Namespace, policy: str, log_path: Path, extra_flags: tuple[str, ...] = ()
+    args: argparse.Namespace, policy: str, log_path: Path, extra_flags: tuple[str, ...] = (),
+    child_flags: tuple[str, ...] = (),
 ) -> dict:
     """The child's result for one policy: {kv_capacity_tokens, attention_backend, runs};
-    ``extra_flags`` go to SGLang's one-batch benchmark (benchmarks.decode_profile's profiler)."""
+    ``extra_flags`` go to SGLang's one-batch benchmark (benchmarks.decode_profile's profiler),
+    ``child_flags`` to benchmarks.decode_step_child (benchmarks.decode_host's timing)."""
     one_batch_flags = [
         "--model-path", str(harness.shape_path(args.shape)),
         "--load-format", "dummy",
@@ -89,6 +91,7 @@ def run_policy(
             "--prefill-slice-tokens", str(args.prefill_slice_tokens),
             "--contexts", ",".join(map(str, args.context)),
             *(["--skip-prefill-compute"] if args.skip_prefill_compute else []),
+            *child_flags,
         ]  # fmt: skip
         if not harness.is_vanilla(policy) and args.policy_config:
             argv += ["--policy-config", args.policy_config]

@@ -25,6 +25,8 @@ from benchmarks.harness import VANILLA
 from sglang_ext.launch import flag_value
 from sglang_ext.platform import cpu
 
+HOST_TIMING_TOP = 40  # functions kept per point (benchmarks.decode_host picks its --top of them)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_step_child")
@@ -45,6 +47,10 @@ def main() -> None:
         "--request-policies", default="",
         help="comma-separated policy names the batch's requests name in turn (a server of several)",
     )  # fmt: skip
+    parser.add_argument(
+        "--host-timing", type=Path, default=None,
+        help="write the decode steps' host time here (benchmarks.host_timing)",
+    )  # fmt: skip
     parser.add_argument("one_batch_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     one_batch_args = (
@@ -64,11 +70,19 @@ def main() -> None:
     engine = _patch_one_batch(
         one_batch, args.prefill_slice_tokens, args.skip_prefill_compute, contexts, names
     )
+    host_timer = None
+    if args.host_timing is not None:
+        from benchmarks.host_timing import DecodeHostTimer
+
+        host_timer = DecodeHostTimer()
+        host_timer.install(one_batch)
     with tempfile.TemporaryDirectory() as tmp:
         jsonl = Path(tmp) / "one_batch.jsonl"
         sys.argv = ["one_batch", *one_batch_args, "--result-filename", str(jsonl)]
         one_batch.cli_main()
         runs = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    if host_timer is not None:
+        host_timer.write(args.host_timing, top=HOST_TIMING_TOP)
 
     if engine.pop("is_policy_backend") != (args.policy != VANILLA):
         raise SystemExit(f"policy {args.policy!r} decoded with {engine['attention_backend']}")

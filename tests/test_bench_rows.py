@@ -202,3 +202,47 @@ def test_a_mixed_decode_step_batch_names_the_members_in_turn():
     alone = [SimpleNamespace(sampling_params=SimpleNamespace(custom_params=None))]
     name_requests(alone, [])
     assert alone[0].sampling_params.custom_params is None
+
+
+def test_host_timing_splits_a_step_at_its_graph_launch_and_profiles_the_other_steps(tmp_path):
+    import json
+    import time
+
+    from benchmarks import decode_host
+    from benchmarks.host_timing import WARMUP_CALLS, DecodeHostTimer
+
+    class GraphRunner:
+        def load_batch(self):
+            time.sleep(0.002)  # host work before the launch
+
+    class BenchRunner:
+        def decode(self, next_token_ids, batch):
+            GraphRunner().load_batch()
+            time.sleep(0.001)  # after the launch
+            return next_token_ids, None
+
+    gpu = []
+    timer = DecodeHostTimer()
+    one_batch = SimpleNamespace(_TorchBenchRunner=BenchRunner)
+    timer.install(one_batch, GraphRunner, synchronize=lambda: (time.sleep(0.003), gpu.append(1)))
+    batch = SimpleNamespace(reqs=[SimpleNamespace(origin_input_ids=[0] * 7)] * 2)
+    steps = 6
+    for _ in range(WARMUP_CALLS + steps):
+        assert one_batch._TorchBenchRunner().decode(5, batch) == (5, None)
+    timer.write(tmp_path / "timing.json", top=50)
+
+    point = json.loads((tmp_path / "timing.json").read_text())["2,7"]
+    assert len(gpu) == steps // 2  # only the timed steps wait for the GPU
+    assert 2 <= point["host_to_launch_ms"] < point["host_call_ms"] < point["step_ms"]
+    assert point["step_ms"] - point["host_call_ms"] >= 3
+    functions = dict(point["functions"])
+    assert 2 <= functions["tests/test_bench_rows.load_batch"] < functions["tests/test_bench_rows.decode"]
+    assert "load_batch" in (tmp_path / "timing-b2-c7.txt").read_text()
+
+    info = harness.RunInfo.detect()
+    rows = decode_host.point_rows(dict(bench="decode_host", policy="delta", model_shape="s",
+                                       batch=2, context=7), point, 1, info)  # fmt: skip
+    assert [r.metric for r in rows] == [
+        "host_latency_to_launch_ms", "host_latency_call_ms", "decode_step_latency_ms",
+        "host_ms:tests/test_bench_rows.decode",
+    ]  # fmt: skip
