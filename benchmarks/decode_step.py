@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -57,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="fill each point's KV slots without running prefill (see decode_step_child)",
     )
+    parser.add_argument(
+        "--partial-dir", type=Path, default=None,
+        help="save each policy's measurement here and report every policy saved here for the same "
+        "points (a run split over device calls on one host; as benchmarks.e2e's)",
+    )  # fmt: skip
     return parser
 
 
@@ -148,6 +154,24 @@ def floor_latency_s(result: dict, batch: int, context: int, copy_bytes_per_s: fl
     return (result["weight_bytes"] + kv_bytes) / copy_bytes_per_s
 
 
+def partial_path(args: argparse.Namespace, policy: str) -> Path:
+    """Where --partial-dir keeps one policy's result for this run's shape and points."""
+    points = "-".join(map(str, args.batch)) + "x" + "-".join(map(str, args.context))
+    safe = policy if policy == "*" else re.sub(r"[^A-Za-z0-9._-]", "_", policy)
+    return args.partial_dir / f"{BENCH}-partial-{harness.run_label(args)}-{points}-{safe}.json"
+
+
+def saved_results(args: argparse.Namespace, device: str) -> dict[str, dict]:
+    """Every policy saved under --partial-dir for this run's points, by name; all of one device."""
+    results = {}
+    for path in sorted(args.partial_dir.glob(partial_path(args, "*").name)):
+        saved = json.loads(path.read_text())
+        if saved["device"] != device:
+            raise SystemExit(f"{path}: measured on {saved['device']}, not this run's {device}")
+        results[saved["policy"]] = saved["result"]
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     harness.shape_path(args.shape)
@@ -160,6 +184,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{BENCH}: {policy} on {args.shape} ({info.device}), log {log_path}", flush=True)
         results[policy] = run_policy(args, policy, log_path)
         print(f"{BENCH}: {policy} decoded with {results[policy]['attention_backend']}", flush=True)
+        if args.partial_dir:
+            args.partial_dir.mkdir(parents=True, exist_ok=True)
+            saved = {"policy": policy, "device": info.device, "result": results[policy]}
+            partial_path(args, policy).write_text(json.dumps(saved))
+    if args.partial_dir:
+        results = saved_results(args, info.device)
     # every policy's floor at the best bandwidth any of its processes measured: the device's
     copy_bandwidth = max(result["copy_bytes_per_s"] for result in results.values())
     rows: list[Row] = []

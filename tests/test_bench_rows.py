@@ -141,6 +141,37 @@ def test_each_measured_decode_step_point_is_judged_against_its_floor():
     assert found[5000, "decode_step_latency_s"].skipped and (5000, "decode_step_floor_latency_s") not in found
 
 
+def test_a_decode_step_run_split_over_calls_reports_every_saved_policy_against_vanilla(
+    tmp_path, monkeypatch
+):
+    import json
+
+    latency = {"vanilla@fa3": 0.012, "vanilla@triton": 0.016, "delta": 0.004}
+
+    def measured(args, policy, log_path):
+        return {
+            "runs": [{"batch_size": 2, "input_len": 100, "median_decode_latency": latency[policy]}],
+            "kv_capacity_tokens": 1000, "backend_flag": "fa3", "attention_backend": "B", "weight_bytes": 1e9,
+            "kv_bytes_per_token": 1000, "attended_tokens": {"100": 100.0}, "copy_bytes_per_s": 1e12,
+        }  # fmt: skip
+
+    monkeypatch.setattr(decode_step, "run_policy", measured)
+    common = ["--shape", "qwen1.5b", "--batch", "2", "--context", "100",
+              "--partial-dir", str(tmp_path / "partial"), "--results-md", str(tmp_path / "R.md")]  # fmt: skip
+    decode_step.main([*common, "--policies", "vanilla@fa3,vanilla@triton", "--out-dir", str(tmp_path / "a")])
+    # other points are another run: not reported with this one
+    decode_step.main([*common[:4], "--context", "200", *common[6:], "--policies", "delta",
+                      "--out-dir", str(tmp_path / "other")])  # fmt: skip
+    decode_step.main([*common, "--policies", "delta", "--out-dir", str(tmp_path / "b")])
+
+    (rows_file,) = (tmp_path / "b").glob("decode_step-*.json")
+    rows = [r for r in json.loads(rows_file.read_text()) if r["metric"] == "decode_step_latency_s"]
+    by_policy = {r["policy"]: r for r in rows}
+    assert set(by_policy) == {"vanilla@fa3", "vanilla@triton", "delta"}
+    assert by_policy["delta"]["baseline_value"] == 0.012
+    assert by_policy["delta"]["ratio"] == pytest.approx(0.004 / 0.012)
+
+
 def test_a_profile_gives_each_kernels_time_per_step_and_sums_the_rest(tmp_path):
     import gzip
     import json
