@@ -207,7 +207,7 @@ def stage1_tuning_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
     pages = min(budget_tokens, inputs.context) // PAGE
     stride = inputs.context // PAGE // pages
     chosen = torch.arange(pages, device="cuda", dtype=torch.int32) * stride
-    table = SlotTable(batch, pages * PAGE, "cuda", workspace=None)
+    table = SlotTable(batch, pages * PAGE, "cuda")
     cache = inputs.cache()
     selected = chosen.expand(batch, pages).contiguous()
     num_selected = torch.full((batch,), pages, device="cuda", dtype=torch.int32)
@@ -303,7 +303,6 @@ def sparse_kernel_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
     from sglang.srt.layers.attention.flashinfer_backend import should_use_tensor_core
 
     from sglang_ext.kernels.sparse_decode import SlotTable
-    from sglang_ext.kernels.split_kv_decode import SHORT_LIST_PROGRAMS_PER_SM, SplitKVWorkspace
 
     batch, q_heads, dim = inputs.q.shape
     kv_heads = inputs.k.shape[1]
@@ -314,13 +313,9 @@ def sparse_kernel_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
         chosen = torch.arange(units, device="cuda", dtype=torch.int32) * stride
         selected = chosen.expand(batch, units).contiguous()
         num_selected = torch.full((batch,), units, device="cuda", dtype=torch.int32)
-        workspace = SplitKVWorkspace(
-            batch, q_heads, kv_heads, dim, units * page, "cuda",
-            programs_per_sm=SHORT_LIST_PROGRAMS_PER_SM,
-        )  # fmt: skip
         ours_out = torch.empty_like(inputs.q)
         # as the engine runs it: the selection layer gathers once, each sparse layer attends
-        table = SlotTable(batch, units * page, "cuda", workspace)
+        table = SlotTable(batch, units * page, "cuda", heads=(q_heads, kv_heads, dim))
         cache = inputs.cache()
 
         def gather(table=table, selected=selected, num_selected=num_selected, page=page):

@@ -100,15 +100,18 @@ def gather_selected_slots_ref(
 
 class SlotTable:
     """The KV slots of a step's current selection, owned up front: ``gather`` after each
-    selection layer, ``attend`` at the sparse layers that follow it."""
+    selection layer, ``attend`` at the sparse layers that follow it. Given ``heads`` (query heads,
+    KV heads, head size) it owns its attention's split-KV scratch too, sized for ``max_batch``
+    (decode then allocates nothing); without, each ``attend`` allocates it (one-off calls)."""
 
-    def __init__(
-        self, max_batch: int, max_entries: int, device, workspace: SplitKVWorkspace | None
-    ):
+    def __init__(self, max_batch: int, max_entries: int, device, heads=None):
         self.slots = torch.zeros(max_batch, max_entries, dtype=torch.int32, device=device)
         self.count = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.rows = torch.arange(max_batch, dtype=torch.int64, device=device)
-        self.workspace = workspace
+        # A selection is short next to a whole cache: fewer, longer splits read it faster.
+        self.workspace = None if heads is None else SplitKVWorkspace(
+            max_batch, *heads, max_entries, device, programs_per_sm=SHORT_LIST_PROGRAMS_PER_SM
+        )  # fmt: skip
 
     def gather(self, req_to_token, req_pool_indices, seq_lens, selected, num_selected, page_size):
         gather_selected_slots(
@@ -117,9 +120,7 @@ class SlotTable:
         )  # fmt: skip
 
     def attend(self, q, k_buffer, v_buffer, sm_scale: float, out=None) -> torch.Tensor:
-        """Attention of q [batch, q_heads, dim] over the gathered selection (``workspace``: the
-        split-KV kernel's scratch, made with ``programs_per_sm=SHORT_LIST_PROGRAMS_PER_SM``;
-        None allocates it)."""
+        """Attention of q [batch, q_heads, dim] over the gathered selection."""
         batch = q.shape[0]
         table = (self.slots, self.rows[:batch], self.count[:batch])
         splits = None
@@ -153,7 +154,7 @@ def sparse_decode_attention(
     it: gathered into ``table`` (a new one by default), then attended over. Returns out [batch,
     q_heads, dim] in q's dtype; the arithmetic is fp32."""
     if table is None:
-        table = SlotTable(q.shape[0], selected.shape[1] * page_size, q.device, workspace=None)
+        table = SlotTable(q.shape[0], selected.shape[1] * page_size, q.device)
     table.gather(req_to_token, req_pool_indices, seq_lens, selected, num_selected, page_size)
     return table.attend(q, k_buffer, v_buffer, sm_scale)
 

@@ -99,20 +99,25 @@ class DecodeContext:
         or every request slot at full context where the pool's size is unknown."""
         return self.kv_pool_tokens or self.max_batch_size * self.req_to_token.shape[1]
 
-    def split_workspace(self, max_tokens: int, num_splits: int | None = None, **splits_rule):
-        """Scratch of the split-KV kernel (kernels.split_kv_decode) for requests attending to up
-        to ``max_tokens`` tokens (or ``num_splits`` splits at every batch size; ``splits_rule``:
-        SplitKVWorkspace's ``programs_per_sm``), sized for the largest batch; None off CUDA (the
-        torch references need none) or when the heads are unknown (the kernel then allocates)."""
+    def head_shape(self) -> tuple[int, int, int] | None:
+        """(query heads, KV heads, head size) of this rank's attention, for decode scratch owned
+        up front; None off CUDA (the torch references need none) or where the heads are unknown."""
         if torch.device(self.device).type != "cuda" or self.num_q_heads is None:
+            return None
+        return self.num_q_heads, self.kv_pool.get_key_buffer(0).shape[1], self.head_dim
+
+    def split_workspace(self, max_tokens: int, num_splits: int | None = None):
+        """Scratch of the split-KV kernel (kernels.split_kv_decode) for requests attending to up
+        to ``max_tokens`` tokens (or ``num_splits`` splits at every batch size), sized for the
+        largest batch; None where ``head_shape`` is (the kernel then allocates)."""
+        heads = self.head_shape()
+        if heads is None:
             return None
         from sglang_ext.kernels.split_kv_decode import SplitKVWorkspace
 
-        kv_heads = self.kv_pool.get_key_buffer(0).shape[1]
         return SplitKVWorkspace(
-            self.max_batch_size, self.num_q_heads, kv_heads, self.head_dim, max_tokens,
-            self.device, num_splits, **splits_rule,
-        )  # fmt: skip
+            self.max_batch_size, *heads, max_tokens, self.device, num_splits
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -327,8 +327,5 @@ def _slot_table(ctx: DecodeContext, selection: Selection):
     torch reference reads the selection)."""
     if torch.device(ctx.device).type != "cuda":
         return None
-    from sglang_ext.kernels.split_kv_decode import SHORT_LIST_PROGRAMS_PER_SM
-
     entries = selection.budget * selection.page_size
-    workspace = ctx.split_workspace(entries, programs_per_sm=SHORT_LIST_PROGRAMS_PER_SM)
-    return SlotTable(ctx.max_batch_size, entries, ctx.device, workspace)
+    return SlotTable(ctx.max_batch_size, entries, ctx.device, ctx.head_shape())

@@ -14,7 +14,6 @@ from sglang_ext.kernels.sparse_decode import (
     sparse_decode_attention,
     sparse_decode_attention_ref,
 )
-from sglang_ext.kernels.split_kv_decode import SplitKVWorkspace
 
 SEQ_LENS = (5, 37, 70)
 
@@ -75,8 +74,8 @@ def test_a_slot_table_gathers_the_selection_and_attends_as_the_pages_do(rows, pa
     batch, sm_scale = make_batch(torch.bfloat16)
     selected, count = selection(rows, width=50)
     heads, dim = batch["q"].shape[1], batch["q"].shape[2]
-    workspace = SplitKVWorkspace(4, heads, 2, dim, max_tokens=50 * page_size, device=DEVICE)
-    table = SlotTable(4, 50 * page_size, DEVICE, workspace)
+    table = SlotTable(4, 50 * page_size, DEVICE, heads=(heads, 2, dim))
+    assert table.workspace is not None  # owned up front: attend allocates nothing
     table.slots.fill_(-1)  # what a gather leaves past a count is never read
     cache = [batch[k] for k in ("req_to_token", "req_pool_indices", "seq_lens")]
     table.gather(*cache, selected, count, page_size)
