@@ -6,9 +6,10 @@ output error against full attention.
     python -m benchmarks.art_kernel --shape smol --captured --lengths 4096 --batch 16
 
 Two kinds of inputs. ``--shape``: random q/K/V of a model shape; softmax over random keys is
-flat, so ART (almost) never stops there: these rows measure the detector's cost, `art-p0`
-(patience 0: the detector runs on every tile and never stops; the paper's p = inf) against our
-split-KV kernel without it (`full`) and SGLang's kernel (`vanilla`, the baseline). ``--captured``:
+flat, so ART (almost) never stops there: these rows measure the detector's cost, `art` (the
+probe on every tile, no stop) and `art-p0` (patience 0, the paper's p = inf: no probe, the tile
+loop alone) against our split-KV kernel (`full`) and SGLang's kernel (`vanilla`, the baseline).
+``--policy-config '{"tile_tokens": 64}'`` sets ART's parameters (both rows). ``--captured``:
 every layer's decode query, keys and values of SmolLM2 (real weights) on a natural-text prompt
 (sglang_ext.attention_trace, fp32 on the CPU), cast to bf16 and repeated over the batch; the
 layer times are summed over the model's layers, and `art` rows carry the tiles read and the
@@ -69,7 +70,7 @@ def layer_rows(inputs: Inputs, args, info, point, art, art_off) -> tuple[list[Ro
     full, _ = split_kv_decode(*inputs.cache(), inputs.scale, num_kv_splits=args.kv_splits)
     error = ((result["out"].float() - full.float()).norm(dim=-1) / full.float().norm(dim=-1)).mean()
     tiles = result["tiles"].sum().item()
-    everything = inputs.batch * inputs.k.shape[1] * -(-inputs.context // 32)
+    everything = inputs.batch * inputs.k.shape[1] * -(-inputs.context // art.tile_tokens)
     rows = [info.row(**point, policy=p, metric="layer_attention_ms", value=ms) for p, ms in times.items()]
     rows += [
         info.row(**point, policy="art", metric="tiles_read_frac", value=tiles / everything),

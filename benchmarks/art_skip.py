@@ -54,14 +54,15 @@ def measure_trace(trace: at.DecodeTrace, configs: dict) -> dict:
     for step in range(trace.num_steps):
         for layer in range(trace.num_layers):
             cache = layer_cache(trace, step, layer)
-            full, all_tiles = art_decode_ref(*cache, trace.sm_scale, tau=1.0, phi=1.0, patience=0)
+            full, _ = art_decode_ref(*cache, trace.sm_scale, tau=1.0, phi=1.0, patience=0)
             norm = full[0].norm(dim=-1).clamp_min(1e-12)
+            seq_len, kv_heads = int(cache[5][0]), cache[1].shape[1]
             for key, art in configs.items():
                 out, tiles = art_decode_ref(
                     *cache, trace.sm_scale, **art.kernel_params(), always_read=art.sink_tokens
                 )
                 found[key][0] += int(tiles.sum())
-                found[key][1] += int(all_tiles.sum())
+                found[key][1] += kv_heads * -(-seq_len // art.tile_tokens)
                 found[key][2] += ((out[0] - full[0]).norm(dim=-1) / norm).tolist()
     return found
 

@@ -2,14 +2,16 @@
 output is stable in scale and direction.
 
 Each (request, KV head, split) program walks its share of a traversal order tile by tile
-(``TILE`` = 32 virtual tokens, the kernel's inner step), updating the online-softmax output
-as usual. After each tile it probes the running output of its query heads (every
+(``tile_tokens`` virtual tokens, ``TILE`` = 32 by default, the kernel's inner step), updating the
+online-softmax output as usual. After each tile it probes the running output of its query heads (every
 ``probe_stride``-th head dimension) and compares it with the probe after the previous tile:
 d_scale = ||x_t - x_{t-1}||, d_direction = 1 - cos(x_t, x_{t-1}) (ART Eq. 2). A tile is stable
 when every query head of the KV group has d_scale < tau and d_direction < phi; after
 ``patience`` consecutive stable tiles the program stops (Eq. 3, Algorithm 1). patience 0
-never stops (the paper's p = infinity). The first ``always_read`` virtual tokens (the base
-policy's sinks, placed at the head of the order) are read before any stop.
+never stops (the paper's p = infinity), and then no probe is taken. The first ``always_read``
+virtual tokens (the base policy's sinks, placed at the head of the order) are read before any
+stop. A larger tile makes each step's loads larger and probes rarer (the detector's cost), and a
+stop coarser (a split reads whole tiles).
 
 Traversal order: implicit recent-first over the whole cache (positions 0 .. always_read-1, then
 seq_len-1 down to always_read), or an explicit per-request list of entries (pages or tokens of a
@@ -39,7 +41,8 @@ import triton.language as tl
 
 from .split_kv_decode import SplitKVWorkspace, merge_splits
 
-TILE = 32
+TILE = 32  # tokens per tile by default (``tile_tokens``)
+TILE_TOKENS = (16, 32, 64, 128)  # the tile sizes the kernel is built for
 # A split's share holds at least this many times the 1 + patience tiles it needs to stop
 SHARE_PER_STOP = 2
 _DOT_IN_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -200,24 +203,24 @@ def _art_stage1(
             BLOCK_N=BLOCK_N, ORDER_SPAN=ORDER_SPAN, DOT_IN_FP32=DOT_IN_FP32,
         )  # fmt: skip
         read += 1
-
-        # The probe: the running output merged with the head tile; its change (Eq. 2).
-        top = tl.maximum(e_max, ref_max)
-        top = tl.where(top == float("-inf"), 0.0, top)
-        own, head = tl.exp(e_max - top), tl.exp(ref_max - top)
-        mass = e_sum * own + ref_sum * head
-        merged = (acc * own[:, None] + ref_acc * head[:, None]) / tl.where(mass > 0, mass, 1.0)[:, None]
-        x = tl.where(probe[None, :], merged, 0.0)
-        d_scale = tl.sqrt(tl.sum((x - prev_x) * (x - prev_x), 1))
-        norms = tl.sqrt(tl.sum(x * x, 1)) * tl.sqrt(tl.sum(prev_x * prev_x, 1))
-        cosine = tl.sum(x * prev_x, 1) / tl.maximum(norms, 1e-30)
-        head_stable = ((d_scale < tau) & (1.0 - cosine < phi)) | (offs_h >= GROUP)
-        all_stable = (tl.min(head_stable.to(tl.int32), 0) == 1) & (read > 1)
-        stable = tl.where(all_stable, stable + 1, 0)
-        prev_x = x
-
-        past_sinks = (tile + active) * BLOCK_N >= always_read  # none left in this share
-        stop = (patience > 0) & (stable >= patience) & past_sinks
+        stop = tile < 0  # a device False: the branch below may set it
+        if patience > 0:  # else nothing stops: no probe
+            # The probe: the running output merged with the head tile; its change (Eq. 2).
+            top = tl.maximum(e_max, ref_max)
+            top = tl.where(top == float("-inf"), 0.0, top)
+            own, head = tl.exp(e_max - top), tl.exp(ref_max - top)
+            mass = e_sum * own + ref_sum * head
+            merged = (acc * own[:, None] + ref_acc * head[:, None]) / tl.where(mass > 0, mass, 1.0)[:, None]
+            x = tl.where(probe[None, :], merged, 0.0)
+            d_scale = tl.sqrt(tl.sum((x - prev_x) * (x - prev_x), 1))
+            norms = tl.sqrt(tl.sum(x * x, 1)) * tl.sqrt(tl.sum(prev_x * prev_x, 1))
+            cosine = tl.sum(x * prev_x, 1) / tl.maximum(norms, 1e-30)
+            head_stable = ((d_scale < tau) & (1.0 - cosine < phi)) | (offs_h >= GROUP)
+            all_stable = (tl.min(head_stable.to(tl.int32), 0) == 1) & (read > 1)
+            stable = tl.where(all_stable, stable + 1, 0)
+            prev_x = x
+            past_sinks = (tile + active) * BLOCK_N >= always_read  # none left in this share
+            stop = (stable >= patience) & past_sinks
         tile += active
         go = (tile < num_tiles) & (stop == 0)
 
@@ -255,6 +258,7 @@ def art_decode(
     num_order: torch.Tensor | None = None,
     order_span: int = 1,
     num_kv_splits: int = 8,
+    tile_tokens: int = TILE,
     workspace: SplitKVWorkspace | None = None,
     out: torch.Tensor | None = None,
     tiles_read: torch.Tensor | None = None,
@@ -273,6 +277,8 @@ def art_decode(
     (tau, phi, patience) by its req_pool_indices entry, in place of the scalars. A ``workspace``
     made with ``num_splits=num_kv_splits`` and a ``tiles_read`` buffer ([batch or more, kv_heads,
     splits] int32) supply the scratch, so the call allocates nothing."""
+    if tile_tokens not in TILE_TOKENS:
+        raise ValueError(f"tile_tokens must be one of {TILE_TOKENS}, got {tile_tokens}")
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     group = num_q_heads // num_kv_heads
@@ -303,7 +309,7 @@ def art_decode(
         mid_lse.stride(0), mid_lse.stride(1),
         0 if request_params is None else request_params.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=TILE,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=tile_tokens,
         NUM_SPLITS=num_kv_splits, ORDER_SPAN=order_span if explicit else 0,
         PROBE_STRIDE=probe_stride, COUNT_TILES=tile_counts is not None,
         PER_REQUEST=request_params is not None, SHARE_PER_STOP=SHARE_PER_STOP,
@@ -355,6 +361,7 @@ def art_decode_ref(
     num_order: torch.Tensor | None = None,
     order_span: int = 1,
     num_kv_splits: int = 8,
+    tile_tokens: int = TILE,
     tile_counts: torch.Tensor | None = None,
     request_params: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -374,27 +381,27 @@ def art_decode_ref(
             tau, phi, patience = own[row][0], own[row][1], int(own[row][2])
         entries = None if order is None else order[b, : int(num_order[b])].cpu()
         positions = traversal_positions(seq_len, always_read, entries, order_span).to(q.device)
-        num_tiles = -(-positions.numel() // TILE)
+        num_tiles = -(-positions.numel() // tile_tokens)
         tiles_in_order += num_tiles * num_kv_heads
         if num_tiles == 0:
             continue
         splits = active_splits(num_tiles, patience, num_kv_splits)
         per_split = -(-num_tiles // splits)
-        # [splits, per_split, TILE]: split s holds tiles s, s + splits, ... (-1: nothing)
-        padded = torch.full((per_split * splits * TILE,), -1, device=q.device)
+        # [splits, per_split, tile]: split s holds tiles s, s + splits, ... (-1: nothing)
+        padded = torch.full((per_split * splits * tile_tokens,), -1, device=q.device)
         padded[: positions.numel()] = positions
-        by_split = padded.view(per_split, splits, TILE).transpose(0, 1)
+        by_split = padded.view(per_split, splits, tile_tokens).transpose(0, 1)
         tile_exists = (torch.arange(per_split)[None, :] * splits + torch.arange(splits)[:, None]) < num_tiles
         valid = by_split >= 0
         slots = req_to_token[row, by_split.clamp_min(0)].long()
         for g in range(num_kv_heads):
             heads = slice(g * group, (g + 1) * group)
-            k = k_buffer[slots, g].float()  # [splits, per_split, TILE, dim]
+            k = k_buffer[slots, g].float()  # [splits, per_split, tile, dim]
             v = v_buffer[slots, g].float()
             logits = torch.einsum("hd,sptd->hspt", q[b, heads].float(), k) * sm_scale
             logits = logits.masked_fill(~valid, float("-inf"))
             top = logits.amax(dim=(1, 2, 3), keepdim=True).clamp_min(-1e30)
-            weights = torch.exp(logits - top)  # [heads, splits, per_split, TILE]
+            weights = torch.exp(logits - top)  # [heads, splits, per_split, tile]
             mass = weights.sum(-1).cumsum(-1)  # [heads, splits, per_split]: after each tile
             acc = torch.einsum("hspt,sptd->hspd", weights, v).cumsum(2)
             # the probe: each split's output merged with the order's head tile (splits > 0)
@@ -417,7 +424,7 @@ def art_decode_ref(
             for t in range(per_split):
                 count = torch.where(stable[:, t].cpu(), count + 1, 0)
                 tile_index = torch.arange(splits) + t * splits
-                past_sinks = (tile_index + splits) * TILE >= always_read
+                past_sinks = (tile_index + splits) * tile_tokens >= always_read
                 stop = (patience > 0) & (count >= patience) & past_sinks & ~stopped & tile_exists[:, t]
                 read = torch.where(stop, t + 1, read)
                 stopped |= stop

@@ -3,8 +3,8 @@ another policy (``--policy delta+art``, ``tidal+art``).
 
 ART never changes what a layer may attend to, only how much of it the decode kernel reads: the
 kernel walks the KV tiles in a traversal order and stops once the running output has been
-stable in scale (< ``tau``) and direction (< ``phi``) for ``patience`` tiles
-(``kernels/art_decode.py``). Over full attention the order is recent-first after the first
+stable in scale (< ``tau``) and direction (< ``phi``) for ``patience`` tiles of ``tile_tokens``
+tokens (``kernels/art_decode.py``). Over full attention the order is recent-first after the first
 ``sink_tokens`` tokens; over DELTA or TidalDecode, a sparse layer reads its selection
 importance-first: the recent pages (tokens), then the others by selection score.
 """
@@ -32,6 +32,7 @@ class Art(KVPolicy):
     sink_tokens: int = 4  # read first, always (over full attention)
     probe_stride: int = 8  # the probe: every probe_stride-th head dimension
     num_kv_splits: int = 8
+    tile_tokens: int = 32  # tokens per tile: the kernel's step, and what patience counts
 
     def validate(self) -> None:
         for field in ("tau", "phi"):
@@ -43,6 +44,10 @@ class Art(KVPolicy):
         for field in ("probe_stride", "num_kv_splits"):
             if getattr(self, field) < 1:
                 self._error(field, f"must be >= 1, got {getattr(self, field)}")
+        from sglang_ext.kernels.art_decode import TILE_TOKENS
+
+        if self.tile_tokens not in TILE_TOKENS:
+            self._error("tile_tokens", f"must be one of {list(TILE_TOKENS)}, got {self.tile_tokens}")
 
     def decode_fns(self, ctx: DecodeContext) -> list[DecodeFn]:
         return [self.full_decode(ctx, per_request=True)] * ctx.num_layers
@@ -59,6 +64,7 @@ class Art(KVPolicy):
         return {
             "tau": self.tau, "phi": self.phi, "patience": self.patience,
             "probe_stride": self.probe_stride, "num_kv_splits": self.num_kv_splits,
+            "tile_tokens": self.tile_tokens,
         }  # fmt: skip
 
     def scratch(self, ctx: DecodeContext) -> dict[str, Any]:

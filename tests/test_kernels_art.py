@@ -124,6 +124,30 @@ def test_sinks_are_read_before_any_stop():
     assert tiles[0].tolist() == [[4] * SPLITS] * 2
 
 
+@pytest.mark.parametrize("tile_tokens", [16, 64, 128])
+def test_other_tile_sizes_read_and_stop_as_their_oracle_does(tile_tokens):
+    batch, sm_scale = cache()
+    heavy_head_tile(batch)
+    params = {"tile_tokens": tile_tokens, "always_read": 4}
+    (out, tiles), (out_ref, tiles_ref) = run_both(batch, sm_scale, patience=2, **params)
+    assert torch.equal(tiles, tiles_ref)
+    tiles_of = [math.ceil(n / tile_tokens) for n in SEQ_LENS]
+    assert int(tiles[0].sum()) < 2 * tiles_of[0]  # the 1000-token request stopped early
+    torch.testing.assert_close(out, out_ref, **OUT_TOL[torch.float16])
+    full, _ = selection_attention_ref(**batch, sm_scale=sm_scale)
+    torch.testing.assert_close(out, full, **OUT_TOL[torch.float16])
+    # termination off reads every tile of every request, whatever their size
+    (out, tiles), _ = run_both(batch, sm_scale, patience=0, **params)
+    assert [int(tiles[b].sum()) for b in range(3)] == [2 * n for n in tiles_of]
+    torch.testing.assert_close(out, full, **OUT_TOL[torch.float16])
+
+
+def test_a_tile_size_the_kernel_is_not_built_for_is_refused():
+    batch, sm_scale = cache()
+    with pytest.raises(ValueError, match="tile_tokens"):
+        art_decode(**batch, sm_scale=sm_scale, **ART, patience=2, tile_tokens=48)
+
+
 @pytest.mark.parametrize("patience", [0, 2])
 def test_an_explicit_page_order_reads_the_selection_in_its_order(patience):
     batch, sm_scale = cache()

@@ -15,7 +15,8 @@ from sglang_ext.policies.art import Art, ArtOver
     [("art", {"tau": 0.0}, "art.tau"), ("art", {"patience": -1}, "art.patience"),
      ("art", {"probe_stride": 0}, "art.probe_stride"), ("delta+art", {"art": {"phi": -1.0}}, "art.phi"),
      ("delta+art", {"art": 5}, "delta+art.art"), ("lethe+art", {}, "policy"),
-     ("delta+spin", {}, "policy"), ("delta+art", {"budget_pages": 0}, "delta.budget_pages")],
+     ("delta+spin", {}, "policy"), ("delta+art", {"budget_pages": 0}, "delta.budget_pages"),
+     ("art", {"tile_tokens": 48}, "art.tile_tokens")],
 )  # fmt: skip
 def test_bad_parameters_name_the_field(name, params, field):
     with pytest.raises(PolicyConfigError) as err:
