@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import time
 
 import torch
@@ -37,34 +36,10 @@ from benchmarks.harness import Row, RunInfo
 from sglang_ext import agreement as ag
 from sglang_ext import attention_trace as at
 from sglang_ext.calibrate import model_slug
-from sglang_ext.policies import PolicyConfigError, build_policy, policy_class
+from sglang_ext.policies import build_policy, policy_class
 from sglang_ext.policies.calibration import model_fingerprint
 
 BENCH = "agreement"
-
-
-def variant(text: str) -> tuple[str, dict]:
-    """``NAME:KEY=VALUE,...`` -> (policy name, parameters); values are JSON (numbers, lists)."""
-    name, _, assignments = text.partition(":")
-    if name not in ("delta", "tidal", "lethe") or not assignments:
-        raise argparse.ArgumentTypeError(
-            f"expected delta:KEY=VALUE,..., tidal:... or lethe:..., got {text!r}"
-        )
-    params = {}
-    # a comma starts the next KEY=VALUE only where one follows: a list value keeps its commas
-    for assignment in re.split(r",(?=\s*[A-Za-z_]\w*=)", assignments):
-        key, equals, value = assignment.partition("=")
-        if not equals:
-            raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {assignment!r}")
-        try:
-            params[key] = json.loads(value)
-        except json.JSONDecodeError as err:
-            raise argparse.ArgumentTypeError(f"{key}: {value!r} is not a JSON value") from err
-    try:
-        build_policy(name, params)
-    except PolicyConfigError as err:
-        raise argparse.ArgumentTypeError(str(err)) from err
-    return name, params
 
 
 def readers(args, num_layers: int, fingerprint: dict, kv_heads: int) -> dict[str, object]:
@@ -108,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--lethe-threshold", type=int, default=1024, help="Lethe's evict_threshold")
     parser.add_argument(
-        "--variants", type=lambda text: [variant(part) for part in text.split(";") if part],
+        "--variants", type=harness.variant_list,
         default=[], help="';'-separated NAME:KEY=VALUE,... (e.g. tidal:sink_tokens=0): each "
         "policy with those parameters, measured beside its defaults (DELTA and Tidal at each "
         "budget, Lethe once)",

@@ -188,6 +188,37 @@ def name_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def policy_variant(text: str) -> tuple[str, dict]:
+    """``NAME:KEY=VALUE,...`` -> (policy name, parameters); values are JSON (numbers, lists)."""
+    name, _, assignments = text.partition(":")
+    if name not in ("delta", "tidal", "lethe") or not assignments:
+        raise argparse.ArgumentTypeError(
+            f"expected delta:KEY=VALUE,..., tidal:... or lethe:..., got {text!r}"
+        )
+    params = {}
+    # a comma starts the next KEY=VALUE only where one follows: a list value keeps its commas
+    for assignment in re.split(r",(?=\s*[A-Za-z_]\w*=)", assignments):
+        key, equals, value = assignment.partition("=")
+        if not equals:
+            raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {assignment!r}")
+        try:
+            params[key] = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise argparse.ArgumentTypeError(f"{key}: {value!r} is not a JSON value") from err
+    from sglang_ext.policies import PolicyConfigError, build_policy
+
+    try:
+        build_policy(name, params)
+    except PolicyConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+    return name, params
+
+
+def variant_list(text: str) -> list[tuple[str, dict]]:
+    """``--variants``: policy variants separated by ';' (``policy_variant`` each)."""
+    return [policy_variant(part) for part in text.split(";") if part]
+
+
 def split_policy(name: str) -> tuple[str, str | None]:
     """``vanilla@fa3`` -> ("vanilla", "fa3"): a policy run on a named attention backend."""
     policy, _, backend = name.partition("@")

@@ -56,11 +56,15 @@ class PolicyRun:
     policy: str
     budget: int | None  # tokens; None for full attention
     correction: int = 0  # tidal's cache correction interval; 0: off
+    params: tuple = ()  # (key, JSON value) pairs changed from the defaults (--variants)
 
     @property
     def series(self) -> str:
         """The policy and its variant, without the budget: one line of the plot."""
-        return f"{self.policy}+cc{self.correction}" if self.correction else self.policy
+        series = f"{self.policy}+cc{self.correction}" if self.correction else self.policy
+        if self.params:
+            series += "[" + ",".join(f"{key}={json.dumps(value)}" for key, value in self.params) + "]"
+        return series
 
     @property
     def label(self) -> str:
@@ -81,18 +85,20 @@ class PolicyRun:
     @property
     def config(self) -> dict | None:
         if self.base == "delta":
-            return policy_class("delta").for_token_budget(self.budget)
+            return {**policy_class("delta").for_token_budget(self.budget), **dict(self.params)}
         if self.base == "tidal":
             tokens = policy_class("tidal").for_token_budget(self.budget)
-            return {**tokens, "correction_interval": self.correction}
+            return {**tokens, "correction_interval": self.correction, **dict(self.params)}
         return None
 
 
 def policy_runs(
-    policies: list[str], budgets: list[int], corrections: list[int] = ()
+    policies: list[str], budgets: list[int], corrections: list[int] = (),
+    variants: list[tuple[str, dict]] = (),
 ) -> list[PolicyRun]:
     """Full attention first (every other run is compared with it), then each policy per budget;
-    tidal also with each cache correction interval in ``corrections``."""
+    tidal also with each cache correction interval in ``corrections``; each of ``variants``
+    (policy, changed parameters) per budget."""
     valid = [*BASES, "art", *(b + ART_SUFFIX for b in BASES[1:])]
     unknown = set(policies) - set(valid)
     if unknown:
@@ -108,6 +114,8 @@ def policy_runs(
     if corrections and "tidal" not in policies:
         raise SystemExit("--correction-intervals applies to tidal: add it to --policies")
     sparse += [PolicyRun("tidal", b, t) for t in corrections for b in budgets]
+    sparse += [PolicyRun(name, b, params=tuple(params.items())) for name, params in variants
+               for b in budgets]  # fmt: skip
     return [PolicyRun(FULL, None), *sparse]
 
 
@@ -130,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="also run tidal with cache correction every T decode steps, per T",
     )
+    parser.add_argument(
+        "--variants", type=harness.variant_list,
+        default=[],
+        help="also run delta or tidal with parameters changed, per budget: "
+        "'delta:full_layers=[0],delta_layers=[1,4,14,22];tidal:sink_tokens=0'",
+    )  # fmt: skip
     parser.add_argument("--dtype", default="float32", help="engine dtype (default: float32)")
     parser.add_argument(
         "--server-args",
@@ -286,7 +300,7 @@ def save_cases(path: Path, source: str, runs, outputs, prompts, cases) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     harness.require_plugin_entry_point()
-    runs = policy_runs(args.policies, args.budgets, args.correction_intervals)
+    runs = policy_runs(args.policies, args.budgets, args.correction_intervals, args.variants)
     from transformers import AutoTokenizer
 
     from sglang_ext.model import default_model_path

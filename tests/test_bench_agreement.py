@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import agreement
+from benchmarks import agreement, harness
 from sglang_ext import agreement as ag
 
 
@@ -95,7 +95,7 @@ def test_a_selection_per_kv_head_reads_what_its_own_query_group_chose(values):
 
 
 def test_a_variant_may_set_a_list_beside_other_parameters():
-    name, params = agreement.variant("tidal:selection_layers=[2, 9, 17],sink_tokens=0")
+    name, params = harness.policy_variant("tidal:selection_layers=[2, 9, 17],sink_tokens=0")
     assert name == "tidal" and params == {"selection_layers": [2, 9, 17], "sink_tokens": 0}
 
 

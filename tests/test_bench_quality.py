@@ -19,3 +19,14 @@ def test_art_runs_name_their_base_run_and_keep_its_budget_config():
 def test_an_art_run_without_its_base_or_an_unknown_policy_is_refused(policies):
     with pytest.raises(SystemExit, match="--policies"):
         policy_runs(policies, [512])
+
+
+def test_a_variant_runs_at_each_budget_with_its_parameters_over_the_budgets():
+    variants = [("delta", {"full_layers": [0], "delta_layers": [1, 4, 14, 22]})]
+    runs = policy_runs(["full", "delta"], [512, 1024], variants=variants)
+    changed = [run for run in runs if run.params]
+    assert [run.budget for run in changed] == [512, 1024]
+    assert changed[1].label == 'delta[full_layers=[0],delta_layers=[1, 4, 14, 22]]-1024'
+    assert changed[1].config == {"budget_pages": 64, "recent_pages": 8, "full_layers": [0],
+                                 "delta_layers": [1, 4, 14, 22]}  # fmt: skip
+    assert {run.label for run in runs if not run.params} == {"full", "delta-512", "delta-1024"}
