@@ -47,26 +47,17 @@ def point_rows(point: dict, timing: dict, top: int, info: RunInfo) -> list[Row]:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    harness.shape_path(args.shape)
-    info = RunInfo.detect()
-    log_dir = args.log_dir or args.out_dir
-    log_dir.mkdir(parents=True, exist_ok=True)
-    kv_source = "synthetic" if args.skip_prefill_compute else "real"
+    info, log_dir = decode_step.prepare_run(args)
     rows: list[Row] = []
     for policy in args.policies:
-        stem = f"{BENCH}-{args.shape}-{harness.file_safe(policy)}"
-        print(f"{BENCH}: {policy} on {args.shape} ({info.device}), log {log_dir / stem}.log")
-        timing_path = log_dir / f"{stem}.json"
+        log_path = decode_step.policy_log(args, BENCH, policy, log_dir, info)
+        timing_path = log_path.with_suffix(".json")
         result = decode_step.run_policy(
-            args, policy, log_dir / f"{stem}.log", child_flags=("--host-timing", str(timing_path))
+            args, policy, log_path, child_flags=("--host-timing", str(timing_path))
         )
         for key, timing in json.loads(timing_path.read_text()).items():
             batch, context = map(int, key.split(","))
-            point = dict(
-                bench=BENCH, policy=policy, model_shape=args.shape, batch=batch, context=context,
-                attention_backend=result["backend_flag"], kv_source=kv_source,
-                budget=harness.policy_budget(policy, args.policy_config),
-            )  # fmt: skip
+            point = decode_step.point_fields(args, BENCH, policy, result, batch, context)
             rows += point_rows(point, timing, args.top, info)
     harness.add_baseline_ratios(rows)
     harness.save_results(BENCH, harness.run_label(args), rows, info, args.out_dir, args.results_md)

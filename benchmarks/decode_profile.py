@@ -110,15 +110,10 @@ def profile_rows(point: dict, kernels: list[dict], steps: int, top: int, info) -
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    harness.shape_path(args.shape)
-    info = RunInfo.detect()
-    log_dir = args.log_dir or args.out_dir
-    log_dir.mkdir(parents=True, exist_ok=True)
-    kv_source = "synthetic" if args.skip_prefill_compute else "real"
+    info, log_dir = decode_step.prepare_run(args)
     rows: list[Row] = []
     for policy in args.policies:
-        log_path = log_dir / f"{BENCH}-{args.shape}-{harness.file_safe(policy)}.log"
-        print(f"{BENCH}: {policy} on {args.shape} ({info.device}), log {log_path}", flush=True)
+        log_path = decode_step.policy_log(args, BENCH, policy, log_dir, info)
         with tempfile.TemporaryDirectory() as traces:
             flags = (
                 "--profile", "--profile-stage", "decode", "--profile-activities", "GPU",
@@ -129,11 +124,7 @@ def main(argv: list[str] | None = None) -> None:
             result = decode_step.run_policy(args, policy, log_path, flags)
             for trace in sorted(Path(traces).glob("p_batch*_decode.trace.json.gz")):
                 batch, context = map(int, re.findall(r"batch(\d+)_input(\d+)", trace.name)[0])
-                point = dict(
-                    bench=BENCH, policy=policy, model_shape=args.shape, batch=batch,
-                    context=context, attention_backend=result["backend_flag"], kv_source=kv_source,
-                    budget=harness.policy_budget(policy, args.policy_config),
-                )  # fmt: skip
+                point = decode_step.point_fields(args, BENCH, policy, result, batch, context)
                 kernels = kernel_events(trace)
                 rows += profile_rows(point, kernels, args.profile_steps, args.top, info)
     harness.save_results(BENCH, harness.run_label(args), rows, info, args.out_dir, args.results_md)

@@ -126,14 +126,9 @@ def policy_rows(
         (r["batch_size"], r["input_len"]): r["median_decode_latency"] for r in result["runs"]
     }
     rows = []
-    kv_source = "synthetic" if args.skip_prefill_compute else "real"
-    budget = harness.policy_budget(policy, args.policy_config)
     for batch in args.batch:
         for context in args.context:
-            point = dict(
-                bench=BENCH, policy=policy, model_shape=args.shape, batch=batch, context=context,
-                attention_backend=result["backend_flag"], kv_source=kv_source, budget=budget,
-            )  # fmt: skip
+            point = point_fields(args, BENCH, policy, result, batch, context)
             latency = measured.get((batch, context))
             if latency is None:
                 need = batch * (context + args.output_len)
@@ -147,11 +142,37 @@ def policy_rows(
     return rows
 
 
+def point_fields(args, bench: str, policy: str, result: dict, batch: int, context: int) -> dict:
+    """A row's fields for one point of a policy's one_batch run (this module's, decode_profile's,
+    decode_host's): what ran, on which backend, over which KV, at which budget."""
+    return dict(
+        bench=bench, policy=policy, model_shape=args.shape, batch=batch, context=context,
+        attention_backend=result["backend_flag"],
+        kv_source="synthetic" if args.skip_prefill_compute else "real",
+        budget=harness.policy_budget(policy, args.policy_config),
+    )  # fmt: skip
+
+
 def floor_latency_s(result: dict, batch: int, context: int, copy_bytes_per_s: float) -> float:
     """The least time a decode step of ``batch`` requests at ``context`` tokens can take: the
     weights read once, each request's attended tokens' K and V read once, at copy bandwidth."""
     kv_bytes = batch * result["attended_tokens"][str(context)] * result["kv_bytes_per_token"]
     return (result["weight_bytes"] + kv_bytes) / copy_bytes_per_s
+
+
+def prepare_run(args: argparse.Namespace) -> tuple[RunInfo, Path]:
+    """Check the shape, detect where the run happens, and make the engine logs' folder."""
+    harness.shape_path(args.shape)
+    log_dir = args.log_dir or args.out_dir
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return RunInfo.detect(), log_dir
+
+
+def policy_log(args, bench: str, policy: str, log_dir: Path, info: RunInfo) -> Path:
+    """The engine log of one policy's run, announced on stdout."""
+    path = log_dir / f"{bench}-{args.shape}-{harness.file_safe(policy)}.log"
+    print(f"{bench}: {policy} on {args.shape} ({info.device}), log {path}", flush=True)
+    return path
 
 
 def partial_path(args: argparse.Namespace, policy: str) -> Path:
@@ -174,15 +195,10 @@ def saved_results(args: argparse.Namespace, device: str) -> dict[str, dict]:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    harness.shape_path(args.shape)
-    info = RunInfo.detect()
-    log_dir = args.log_dir or args.out_dir
-    log_dir.mkdir(parents=True, exist_ok=True)
+    info, log_dir = prepare_run(args)
     results = {}
     for policy in args.policies:
-        log_path = log_dir / f"{BENCH}-{args.shape}-{harness.file_safe(policy)}.log"
-        print(f"{BENCH}: {policy} on {args.shape} ({info.device}), log {log_path}", flush=True)
-        results[policy] = run_policy(args, policy, log_path)
+        results[policy] = run_policy(args, policy, policy_log(args, BENCH, policy, log_dir, info))
         print(f"{BENCH}: {policy} decoded with {results[policy]['attention_backend']}", flush=True)
         if args.partial_dir:
             args.partial_dir.mkdir(parents=True, exist_ok=True)
