@@ -63,7 +63,8 @@ class PolicyRun:
         """The policy and its variant, without the budget: one line of the plot."""
         series = f"{self.policy}+cc{self.correction}" if self.correction else self.policy
         if self.params:
-            series += "[" + ",".join(f"{key}={json.dumps(value)}" for key, value in self.params) + "]"
+            changes = ",".join(f"{key}={json.dumps(value)}" for key, value in self.params)
+            series += f"[{changes}]"
         return series
 
     @property

@@ -3,8 +3,8 @@ output is stable in scale and direction.
 
 Each (request, KV head, split) program walks its share of a traversal order tile by tile
 (``tile_tokens`` virtual tokens, ``TILE`` = 32 by default, the kernel's inner step), updating the
-online-softmax output as usual. After each tile it probes the running output of its query heads (every
-``probe_stride``-th head dimension) and compares it with the probe after the previous tile:
+online-softmax output as usual. After each tile it probes the running output of its query heads
+(every ``probe_stride``-th head dimension) and compares it with the probe after the previous tile:
 d_scale = ||x_t - x_{t-1}||, d_direction = 1 - cos(x_t, x_{t-1}) (ART Eq. 2). A tile is stable
 when every query head of the KV group has d_scale < tau and d_direction < phi; after
 ``patience`` consecutive stable tiles the program stops (Eq. 3, Algorithm 1). patience 0

@@ -47,7 +47,9 @@ class Art(KVPolicy):
         from sglang_ext.kernels.art_decode import TILE_TOKENS
 
         if self.tile_tokens not in TILE_TOKENS:
-            self._error("tile_tokens", f"must be one of {list(TILE_TOKENS)}, got {self.tile_tokens}")
+            self._error(
+                "tile_tokens", f"must be one of {list(TILE_TOKENS)}, got {self.tile_tokens}"
+            )
 
     def decode_fns(self, ctx: DecodeContext) -> list[DecodeFn]:
         return [self.full_decode(ctx, per_request=True)] * ctx.num_layers
