@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 import tempfile
@@ -178,7 +177,7 @@ def policy_log(args, bench: str, policy: str, log_dir: Path, info: RunInfo) -> P
 def partial_path(args: argparse.Namespace, policy: str) -> Path:
     """Where --partial-dir keeps one policy's result for this run's shape and points."""
     points = "-".join(map(str, args.batch)) + "x" + "-".join(map(str, args.context))
-    safe = policy if policy == "*" else re.sub(r"[^A-Za-z0-9._-]", "_", policy)
+    safe = policy if policy == "*" else harness.file_safe(policy)
     return args.partial_dir / f"{BENCH}-partial-{harness.run_label(args)}-{points}-{safe}.json"
 
 

@@ -25,8 +25,6 @@ from benchmarks.harness import VANILLA
 from sglang_ext.launch import flag_value
 from sglang_ext.platform import cpu
 
-HOST_TIMING_TOP = 40  # functions kept per point (benchmarks.decode_host picks its --top of them)
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_step_child")
@@ -82,7 +80,7 @@ def main() -> None:
         one_batch.cli_main()
         runs = [json.loads(line) for line in jsonl.read_text().splitlines()]
     if host_timer is not None:
-        host_timer.write(args.host_timing, top=HOST_TIMING_TOP)
+        host_timer.write(args.host_timing)
 
     if engine.pop("is_policy_backend") != (args.policy != VANILLA):
         raise SystemExit(f"policy {args.policy!r} decoded with {engine['attention_backend']}")

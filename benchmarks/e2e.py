@@ -349,9 +349,8 @@ def measure_policy(args, policy: str, prompts: list[list[int]], info: RunInfo) -
 
 def partial_path(args, policy: str) -> Path:
     run = f"{harness.run_label(args)}-{args.requests}x{args.input_len}-{args.output_len}"
-    # letters, digits, '.', '_' and '-' only: a policy's '@backend' or '+art' kept files of a
-    # device call from coming back (the policy's name is inside the file)
-    safe = policy if policy == "*" else re.sub(r"[^A-Za-z0-9._-]", "_", policy)
+    # the policy's own name is inside the file
+    safe = policy if policy == "*" else harness.file_safe(policy)
     return args.partial_dir / f"{BENCH}-partial-{run}-{safe}.json"
 
 

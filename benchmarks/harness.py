@@ -240,8 +240,9 @@ def served_policy(name: str) -> str:
 
 
 def file_safe(name: str) -> str:
-    """A policy's name as part of a file name (``lethe/delta`` is not one)."""
-    return name.replace(MIX_SEPARATOR, "_")
+    """A policy's name as part of a file name: letters, digits, '.', '_' and '-' only
+    (``lethe/delta`` is no file name; a device call brings back no file named with '@' or '+')."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
 
 
 def request_policies(name: str) -> list[str | None]:

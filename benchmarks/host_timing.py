@@ -72,9 +72,9 @@ class DecodeHostTimer:
         one_batch._TorchBenchRunner.decode = timed_decode
         graph_runner.load_batch = load_batch_then_mark
 
-    def write(self, path: Path, top: int) -> None:
-        """Per point: medians in ms and the ``top`` functions by cumulative profiled time per
-        step; each point's whole profile as text beside ``path``."""
+    def write(self, path: Path) -> None:
+        """Per point: medians in ms and every function by cumulative profiled time per step,
+        most first; each point's whole profile as text beside ``path``."""
         out = {}
         for key, point in self._points.items():
             if not point["step"] or point["profile"] is None:
@@ -90,16 +90,16 @@ class DecodeHostTimer:
                 "host_to_launch_ms": ms(point["to_launch"]),
                 "host_call_ms": ms(point["call"]),
                 "step_ms": ms(point["step"]),
-                "functions": _top_functions(stats, steps, top),
+                "functions": _ranked_functions(stats, steps),
             }
         path.write_text(json.dumps(out))
 
 
-def _top_functions(stats: pstats.Stats, steps: int, top: int) -> list[tuple[str, float]]:
-    """(name, cumulative ms per step) of the functions with the most cumulative time."""
+def _ranked_functions(stats: pstats.Stats, steps: int) -> list[tuple[str, float]]:
+    """(name, cumulative ms per step) of every profiled function, the most cumulative first."""
     rows = []
     for (filename, _, name), (_, _, _, cumulative, _) in stats.stats.items():
         where = Path(filename)
         label = name if filename == "~" else f"{where.parent.name}/{where.stem}.{name}"
         rows.append((label, 1e3 * cumulative / max(steps, 1)))
-    return sorted(rows, key=lambda row: -row[1])[:top]
+    return sorted(rows, key=lambda row: -row[1])

@@ -115,6 +115,8 @@ def policy_runs(
     if corrections and "tidal" not in policies:
         raise SystemExit("--correction-intervals applies to tidal: add it to --policies")
     sparse += [PolicyRun("tidal", b, t) for t in corrections for b in budgets]
+    if unserved := sorted({name for name, _ in variants} - {"delta", "tidal"}):
+        raise SystemExit(f"--variants: this benchmark varies delta and tidal, not {unserved}")
     sparse += [PolicyRun(name, b, params=tuple(params.items())) for name, params in variants
                for b in budgets]  # fmt: skip
     return [PolicyRun(FULL, None), *sparse]

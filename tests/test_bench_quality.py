@@ -30,3 +30,8 @@ def test_a_variant_runs_at_each_budget_with_its_parameters_over_the_budgets():
     assert changed[1].config == {"budget_pages": 64, "recent_pages": 8, "full_layers": [0],
                                  "delta_layers": [1, 4, 14, 22]}  # fmt: skip
     assert {run.label for run in runs if not run.params} == {"full", "delta-512", "delta-1024"}
+
+
+def test_a_variant_of_a_policy_the_benchmark_does_not_vary_is_refused():
+    with pytest.raises(SystemExit, match="--variants"):
+        policy_runs(["full", "delta"], [512], variants=[("lethe", {"max_kv_ratio": 0.5})])

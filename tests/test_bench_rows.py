@@ -260,7 +260,7 @@ def test_host_timing_splits_a_step_at_its_graph_launch_and_profiles_the_other_st
     steps = 6
     for _ in range(WARMUP_CALLS + steps):
         assert one_batch._TorchBenchRunner().decode(5, batch) == (5, None)
-    timer.write(tmp_path / "timing.json", top=50)
+    timer.write(tmp_path / "timing.json")
 
     point = json.loads((tmp_path / "timing.json").read_text())["2,7"]
     assert len(gpu) == steps // 2  # only the timed steps wait for the GPU
