@@ -8,7 +8,8 @@ output error against full attention.
 Two kinds of inputs. ``--shape``: random q/K/V of a model shape; softmax over random keys is
 flat, so ART (almost) never stops there: these rows measure the detector's cost, `art` (the
 probe on every tile, no stop) and `art-p0` (patience 0, the paper's p = inf: no probe, the tile
-loop alone) against our split-KV kernel (`full`) and SGLang's kernel (`vanilla`, the baseline).
+loop alone) against our split-KV kernel (`full`) and the decode kernels of SGLang's backends
+(`vanilla@triton`, `vanilla@flashinfer`, `vanilla@fa3` on Hopper; the baseline is the fastest).
 ``--policy-config '{"tile_tokens": 64}'`` sets ART's parameters (both rows). ``--captured``:
 every layer's decode query, keys and values of SmolLM2 (real weights) on a natural-text prompt
 (sglang_ext.attention_trace, fp32 on the CPU), cast to bf16 and repeated over the batch; the
@@ -24,7 +25,7 @@ import torch
 
 from benchmarks import harness
 from benchmarks.harness import Row, RunInfo
-from benchmarks.kernel_bench import Inputs, time_ms
+from benchmarks.kernel_bench import Inputs, time_ms, vanilla_decoders
 
 BENCH = "art_kernel"
 
@@ -58,10 +59,10 @@ def art_runs(inputs: Inputs, args, art):
 def layer_rows(inputs: Inputs, args, info, point, art, art_off) -> tuple[list[Row], dict]:
     from sglang_ext.kernels.split_kv_decode import split_kv_decode
 
-    times = {
-        "vanilla": time_ms(inputs.sglang_decode(args.kv_splits)),
-        "full": time_ms(lambda: split_kv_decode(*inputs.cache(), inputs.scale, num_kv_splits=args.kv_splits)),
-    }
+    times = {name: time_ms(run) for name, run in vanilla_decoders(inputs, args.kv_splits).items()}
+    times["full"] = time_ms(
+        lambda: split_kv_decode(*inputs.cache(), inputs.scale, num_kv_splits=args.kv_splits)
+    )
     off_run, _ = art_runs(inputs, args, art_off)
     times["art-p0"] = time_ms(off_run)
     run, result = art_runs(inputs, args, art)
@@ -71,7 +72,11 @@ def layer_rows(inputs: Inputs, args, info, point, art, art_off) -> tuple[list[Ro
     error = ((result["out"].float() - full.float()).norm(dim=-1) / full.float().norm(dim=-1)).mean()
     tiles = result["tiles"].sum().item()
     everything = inputs.batch * inputs.k.shape[1] * -(-inputs.context // art.tile_tokens)
-    rows = [info.row(**point, policy=p, metric="layer_attention_ms", value=ms) for p, ms in times.items()]
+    rows = [
+        info.row(**point, policy=p, metric="layer_attention_ms", value=ms,
+                 attention_backend=harness.split_policy(p)[1] or "")
+        for p, ms in times.items()
+    ]  # fmt: skip
     rows += [
         info.row(**point, policy="art", metric="tiles_read_frac", value=tiles / everything),
         info.row(**point, policy="art", metric="rel_error_mean", value=float(error)),
@@ -131,9 +136,10 @@ def captured_points(args, info, art, art_off) -> list[Row]:
                     trace.values[layer, :seq_len], trace.sm_scale, batch,
                 )  # fmt: skip
                 per_layer.append(layer_rows(inputs, args, info, point, art, art_off))
-            for policy in ("vanilla", "full", "art-p0", "art"):
+            for policy in per_layer[0][1]:
                 rows.append(info.row(**point, policy=policy, metric="step_attention_ms",
-                                     value=sum(times[policy] for _, times in per_layer)))  # fmt: skip
+                                     value=sum(times[policy] for _, times in per_layer),
+                                     attention_backend=harness.split_policy(policy)[1] or ""))  # fmt: skip
             for metric in ("tiles_read_frac", "rel_error_mean"):
                 values = [r.value for layer_rows_, _ in per_layer for r in layer_rows_ if r.metric == metric]
                 rows.append(info.row(**point, policy="art", metric=metric, value=sum(values) / len(values)))

@@ -111,8 +111,71 @@ class Inputs:
                 self.q, self.k, self.v, out, indptr, indices, logits, lse,
                 splits, kv_splits, self.scale, 1.0, 1.0,
             )  # fmt: skip
+            return out
 
         return run
+
+    def fa3_decode(self):
+        """SGLang's fa3 decode call over this cache (page size 1: the page table is req_to_token)."""
+        from sgl_kernel.flash_attn import flash_attn_with_kvcache
+
+        batch, _, dim = self.q.shape
+        kv_heads = self.k.shape[1]
+        cu_seqlens_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+        out = torch.empty_like(self.q)
+
+        def run():
+            flash_attn_with_kvcache(
+                q=self.q, k_cache=self.k.view(-1, 1, kv_heads, dim),
+                v_cache=self.v.view(-1, 1, kv_heads, dim), page_table=self.req_to_token,
+                cache_seqlens=self.seq_lens, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=1,
+                softmax_scale=self.scale, causal=True, out=out,
+            )  # fmt: skip
+            return out
+
+        return run
+
+    def flashinfer_decode(self):
+        """FlashInfer's paged decode over this cache, as SGLang's flashinfer backend runs it."""
+        batch = self.q.shape[0]
+        indptr = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * self.context
+        slots = self.req_to_token.flatten()
+        return flashinfer_paged_decode(self.q, self.k, self.v, indptr, slots, self.scale)
+
+
+def vanilla_decoders(inputs: Inputs, kv_splits: int) -> dict:
+    """``vanilla@BACKEND`` -> one layer's decode call (returning its output) by that SGLang
+    backend's kernel on ``inputs``: triton (``kv_splits`` splits), flashinfer, and fa3 where it
+    runs (Hopper)."""
+    runs = {
+        "vanilla@triton": inputs.sglang_decode(kv_splits),
+        "vanilla@flashinfer": inputs.flashinfer_decode(),
+    }
+    if torch.cuda.get_device_capability()[0] == 9:
+        runs["vanilla@fa3"] = inputs.fa3_decode()
+    return runs
+
+
+def flashinfer_paged_decode(q, k, v, indptr, indices, scale):
+    """A call of FlashInfer's paged decode (page size 1) over ``indices``, planned once here, as
+    SGLang plans once per step outside the CUDA graph."""
+    import flashinfer
+    from sglang.srt.layers.attention.flashinfer_backend import should_use_tensor_core
+
+    batch, q_heads, dim = q.shape
+    kv_heads = k.shape[1]
+    last_page_len = torch.ones(batch, device="cuda", dtype=torch.int32)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD", use_cuda_graph=True,
+        use_tensor_cores=should_use_tensor_core(q.dtype, q_heads, kv_heads),
+        paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
+        paged_kv_last_page_len_buffer=last_page_len,
+    )  # fmt: skip
+    wrapper.begin_forward(
+        indptr, indices, last_page_len, q_heads, kv_heads, dim, 1,
+        data_type=k.dtype, q_data_type=q.dtype,
+    )  # fmt: skip
+    return lambda: wrapper.forward(q, (k, v), sm_scale=scale)
 
 
 def policy_decoders(name: str, inputs: Inputs, budget_tokens: int, num_layers: int):
@@ -299,9 +362,6 @@ def sparse_kernel_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
     paged decode over the selected slots (page size 1, as SGLang's pool; planned outside the graph
     as SGLang plans once per step): which one the sparse layers should run (issue 15). DELTA's
     selection is 16-token pages, Tidal's single tokens, both spread over the whole context."""
-    import flashinfer
-    from sglang.srt.layers.attention.flashinfer_backend import should_use_tensor_core
-
     from sglang_ext.kernels.sparse_decode import SlotTable
 
     batch, q_heads, dim = inputs.q.shape
@@ -329,21 +389,7 @@ def sparse_kernel_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
         positions = (selected[:, :, None].long() * page + torch.arange(page, device="cuda"))
         slots = inputs.req_to_token.gather(1, positions.flatten(1)).flatten()
         indptr = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * (units * page)
-        last_page_len = torch.ones(batch, device="cuda", dtype=torch.int32)
-        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD",
-            use_cuda_graph=True,
-            use_tensor_cores=should_use_tensor_core(inputs.q.dtype, q_heads, kv_heads),
-            paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=slots,
-            paged_kv_last_page_len_buffer=last_page_len,
-        )  # fmt: skip
-        wrapper.begin_forward(
-            indptr, slots, last_page_len, q_heads, kv_heads, dim, 1,
-            data_type=inputs.k.dtype, q_data_type=inputs.q.dtype,
-        )  # fmt: skip
-
-        def theirs(wrapper=wrapper):
-            return wrapper.forward(inputs.q, (inputs.k, inputs.v), sm_scale=inputs.scale)
+        theirs = flashinfer_paged_decode(inputs.q, inputs.k, inputs.v, indptr, slots, inputs.scale)
 
         ours_ms, theirs_ms = time_ms(ours), time_ms(theirs)
         # the same attention, or the timing compares different work

@@ -215,3 +215,19 @@ def test_a_workspace_and_tile_buffer_owned_up_front_give_the_allocating_result()
     assert tiles.data_ptr() == tiles_read.data_ptr()  # written in place, not a new tensor
     with pytest.raises(AssertionError, match="another split count"):
         art_decode(**batch, sm_scale=sm_scale, **{**ART, "num_kv_splits": 2}, **params, workspace=workspace)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="SGLang's backends' decode kernels need CUDA")
+def test_the_kernel_benchmarks_baselines_compute_the_same_attention():
+    """art_kernel's rows time each vanilla backend's decode on the same cache: they must agree
+    with our split-KV kernel, or the table compares different work."""
+    from benchmarks.kernel_bench import Inputs, vanilla_decoders
+    from sglang_ext.kernels.split_kv_decode import split_kv_decode
+
+    shape = {"num_attention_heads": 12, "num_key_value_heads": 2, "hidden_size": 1536}
+    inputs = Inputs(shape, batch=3, context=700)
+    expected, _ = split_kv_decode(*inputs.cache(), inputs.scale, num_kv_splits=4)
+    decoders = vanilla_decoders(inputs, kv_splits=4)
+    assert {"vanilla@triton", "vanilla@flashinfer"} <= set(decoders)
+    for name, run in decoders.items():
+        torch.testing.assert_close(run(), expected, **OUT_TOL[torch.bfloat16], msg=name)
