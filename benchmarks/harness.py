@@ -332,8 +332,10 @@ def add_baseline_ratios(rows: list[Row]) -> None:
     """Fill baseline_value (vanilla's value at the same point of the same run: of its fastest
     backend where vanilla ran on several, ``vanilla@BACKEND``), baseline_backend and ratio."""
     key = lambda r: (r.bench, r.model_shape, r.batch, r.context, r.metric)  # noqa: E731
-    # else a rate
-    lower_is_better = lambda r: "latency" in r.metric or r.metric.endswith("_ms")  # noqa: E731
+    # times and distances from the floor; else a rate
+    lower_is_better = lambda r: (  # noqa: E731
+        "latency" in r.metric or "floor" in r.metric or r.metric.endswith("_ms")
+    )
     best: dict = {}
     for r in rows:
         if not is_vanilla(r.policy) or r.value is None:

@@ -1,17 +1,19 @@
 """GPU microbenchmark of the decode-attention kernels of DELTA and TidalDecode against SGLang's own
-triton decode kernel on the same inputs, and against the bandwidth floor.
+backends' decode kernels on the same inputs, and against the bandwidth floor.
 
     python -m benchmarks.kernel_bench --shape qwen1.5b --batch 1,16,32,64 --context 4096,16384,32768
 
 Per (batch, context), one layer's time (replayed from a CUDA graph, as the engine decodes) of:
-SGLang's decode kernel (the baseline, `vanilla`); our split-KV kernel over the whole cache
-(`full`); a selection layer (attention + scores + selection) of DELTA and of Tidal; a sparse layer
-of each; the selection step alone with torch's top-k and FlashInfer's (`rank_*_ms`); a sparse
-layer's attention by our kernel over the step's slot table and by FlashInfer's paged decode over
-the same selected slots (`sparse_ours_ms`, `sparse_flashinfer_ms`; the table's gather apart,
-`sparse_gather_ms`). From them, the attention time of one decode step of
-the whole model under each policy (layer roles from the paper defaults for its depth). The floor of
-a kernel is the K/V bytes it must read over a measured device-to-device copy bandwidth.
+the decode kernels of SGLang's backends (`vanilla@triton`, `vanilla@flashinfer`, `vanilla@fa3` on
+Hopper; the baseline is the fastest, and policies' full layers are timed at it); our split-KV
+kernel over the whole cache (`full`); a selection layer (attention + scores + selection) of
+DELTA and of Tidal; a sparse layer of each; the selection step alone with torch's top-k and
+FlashInfer's (`rank_*_ms`); a sparse layer's attention by our kernel over the step's slot table
+and by FlashInfer's paged decode over the same selected slots (`sparse_ours_ms`,
+`sparse_flashinfer_ms`; the table's gather apart, `sparse_gather_ms`). From them, the attention
+time of one decode step of the whole model under each policy (layer roles from the paper
+defaults for its depth). The floor of a kernel is the K/V bytes it must read over a measured
+device-to-device copy bandwidth.
 """
 
 from __future__ import annotations
@@ -318,16 +320,18 @@ def layer_rows(cfg, inputs, args, bandwidth, point: dict, info) -> list[Row]:
     full_floor_ms = batch * context * inputs.kv_bytes_per_token / bandwidth / 1e6
     sparse_floor_ms = batch * min(context, args.budget_tokens) * inputs.kv_bytes_per_token
     sparse_floor_ms /= bandwidth * 1e6
-    per_layer = {
-        "vanilla": time_ms(inputs.sglang_decode(args.kv_splits)),
-        "full": time_ms(
-            lambda: split_kv_decode(*inputs.cache(), inputs.scale, num_kv_splits=args.kv_splits)
-        ),
-    }
+    vanilla = vanilla_decoders(inputs, args.kv_splits)
+    per_layer = {name: time_ms(run) for name, run in vanilla.items()}
+    # a policy's full layers decode on the engine's base backend: the fastest here
+    base_ms = min(per_layer.values())
+    per_layer["full"] = time_ms(
+        lambda: split_kv_decode(*inputs.cache(), inputs.scale, num_kv_splits=args.kv_splits)
+    )
     rows = [
-        info.row(**point, policy=p, metric="layer_attention_ms", value=ms)
+        info.row(**point, policy=p, metric="layer_attention_ms", value=ms,
+                 attention_backend=harness.split_policy(p)[1] or "")
         for p, ms in per_layer.items()
-    ]
+    ]  # fmt: skip
     step = {p: ms * num_layers for p, ms in per_layer.items()}
     for name in ("delta", "tidal"):
         roles, select, sparse = policy_decoders(name, inputs, args.budget_tokens, num_layers)
@@ -340,19 +344,20 @@ def layer_rows(cfg, inputs, args, bandwidth, point: dict, info) -> list[Row]:
         ]  # fmt: skip
         count = {role: roles.count(role) for role in LayerRole}
         step[name] = (
-            count[LayerRole.FULL] * per_layer["vanilla"]
+            count[LayerRole.FULL] * base_ms
             + count[LayerRole.SELECT] * select_ms
             + count[LayerRole.SPARSE] * sparse_ms
         )
     rows += [
-        info.row(**point, policy="vanilla", metric="layer_floor_ratio",
-                 value=per_layer["vanilla"] / full_floor_ms),
-        info.row(**point, policy="full", metric="layer_floor_ratio",
-                 value=per_layer["full"] / full_floor_ms),
+        info.row(**point, policy=p, metric="layer_floor_ratio", value=ms / full_floor_ms,
+                 attention_backend=harness.split_policy(p)[1] or "")
+        for p, ms in per_layer.items()
     ]  # fmt: skip
     rows += [
-        info.row(**point, policy=p, metric="step_attention_ms", value=ms) for p, ms in step.items()
-    ]
+        info.row(**point, policy=p, metric="step_attention_ms", value=ms,
+                 attention_backend=harness.split_policy(p)[1] or "")
+        for p, ms in step.items()
+    ]  # fmt: skip
     return rows
 
 

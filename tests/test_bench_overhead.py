@@ -18,13 +18,15 @@ def test_ratios_are_against_vanilla_at_the_same_point():
 def test_the_baseline_is_the_fastest_vanilla_backend():
     rates = [_row("vanilla@fa3", 2.0), _row("vanilla@triton", 3.0), _row("delta", 6.0)]
     times = [harness.Row(**{**vars(r), "metric": "layer_ms", "value": 6 / r.value}) for r in rates]
-    for r in rates + times:
+    over_floor = [harness.Row(**{**vars(r), "metric": "layer_floor_ratio"}) for r in times]
+    for r in rates + times + over_floor:
         r.attention_backend = harness.split_policy(r.policy)[1] or ""
-    harness.add_baseline_ratios(rates + times)
+    harness.add_baseline_ratios(rates + times + over_floor)
     ratios = lambda rows: [(r.baseline_backend, r.ratio) for r in rows]  # noqa: E731
     assert ratios(rates) == [("triton", 2 / 3), ("triton", 1.0), ("triton", 2.0)]
     # a time: the fastest backend is the one with the smallest value
     assert ratios(times) == [("triton", 1.5), ("triton", 1.0), ("triton", 0.5)]
+    assert ratios(over_floor) == ratios(times)  # closer to the floor is better
 
 
 def test_overhead_pools_every_point_of_every_run(tmp_path, capsys):
