@@ -31,7 +31,7 @@ TIMED = (
 
 
 def build_parser():
-    parser = decode_step.build_parser()
+    parser = decode_step.build_parser(rounds=False)
     parser.prog, parser.description = f"python -m benchmarks.{BENCH}", __doc__.split("\n\n")[0]
     parser.set_defaults(batch=[1, 32], context=[32768], output_len=24)
     parser.add_argument("--top", type=int, default=16, help="functions named per policy and point")

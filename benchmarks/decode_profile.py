@@ -30,7 +30,7 @@ BENCH = "decode_profile"
 
 
 def build_parser():
-    parser = decode_step.build_parser()
+    parser = decode_step.build_parser(rounds=False)
     parser.prog, parser.description = f"python -m benchmarks.{BENCH}", __doc__.split("\n\n")[0]
     parser.set_defaults(batch=[1], context=[32768], output_len=8)
     parser.add_argument("--profile-steps", type=int, default=3, help="decode steps profiled")

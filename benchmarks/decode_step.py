@@ -14,13 +14,17 @@ policy's bytes against vanilla's) and ``decode_step_latency_over_floor`` how far
 is from it.
 
 Each policy runs in its own process (benchmarks.decode_step_child). A point whose KV does not fit
-in the engine's pool is recorded as skipped, with the reason.
+in the engine's pool is recorded as skipped, with the reason. ``--rounds N`` runs every policy N
+times, the order reversed each round (one process to the next, the same step moved 8–11 % on an
+H100, RESULTS.md 2026-11-27): a point's latency is the median of its rounds', and
+``decode_step_rounds_max_over_min`` says how far they spread.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,14 +32,17 @@ from pathlib import Path
 
 from benchmarks import harness, plot
 from benchmarks.harness import Row, RunInfo
-from sglang_ext.launch import flag_value
+from sglang_ext.launch import flag_value, positive_int
 
 BENCH = "decode_step"
 METRICS = ("decode_step_latency_s", "decode_throughput_tok_s")
 FLOOR_METRICS = ("decode_step_floor_latency_s", "decode_step_latency_over_floor")
+SPREAD_METRIC = "decode_step_rounds_max_over_min"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(rounds: bool = True) -> argparse.ArgumentParser:
+    """This benchmark's flags; ``rounds=False`` leaves out ``--rounds`` (benchmarks built on
+    these flags that run each policy once)."""
     parser = harness.common_parser(BENCH, __doc__)
     parser.add_argument("--batch", type=harness.int_list, default=[1, 16, 64])
     parser.add_argument("--context", type=harness.int_list, default=[4096, 16384])
@@ -57,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="fill each point's KV slots without running prefill (see decode_step_child)",
     )
+    if rounds:
+        parser.add_argument(
+            "--rounds", type=positive_int, default=1,
+            help="server processes per policy, round by round in alternating order (median taken)",
+        )
     parser.add_argument(
         "--partial-dir", type=Path, default=None,
         help="save each policy's measurement here and report every policy saved here for the same "
@@ -124,6 +136,9 @@ def policy_rows(
     measured = {
         (r["batch_size"], r["input_len"]): r["median_decode_latency"] for r in result["runs"]
     }
+    spreads = {
+        (r["batch_size"], r["input_len"]): r.get("round_latencies", []) for r in result["runs"]
+    }
     rows = []
     for batch in args.batch:
         for context in args.context:
@@ -138,7 +153,28 @@ def policy_rows(
                 values = (latency, batch / latency, floor, latency / floor)
                 metrics = METRICS + FLOOR_METRICS
                 rows += [info.row(**point, metric=m, value=v) for m, v in zip(metrics, values)]
+                rounds = spreads.get((batch, context), [])
+                if len(rounds) > 1:
+                    spread = max(rounds) / min(rounds)
+                    rows.append(info.row(**point, metric=SPREAD_METRIC, value=spread))
     return rows
+
+
+def merged_rounds(rounds: list[dict]) -> dict:
+    """One policy's result over several server processes: each point's latency the median of
+    theirs (``round_latencies`` keeps them all), the copy bandwidth the best they measured."""
+    latencies: dict[tuple[int, int], list[float]] = {}
+    for result in rounds:
+        for run in result["runs"]:
+            point = (run["batch_size"], run["input_len"])
+            latencies.setdefault(point, []).append(run["median_decode_latency"])
+    runs = [
+        {"batch_size": batch, "input_len": context, "median_decode_latency": statistics.median(
+            found), "round_latencies": found}
+        for (batch, context), found in latencies.items()
+    ]  # fmt: skip
+    best_copy = max(result["copy_bytes_per_s"] for result in rounds)
+    return {**rounds[0], "runs": runs, "copy_bytes_per_s": best_copy}
 
 
 def point_fields(args, bench: str, policy: str, result: dict, batch: int, context: int) -> dict:
@@ -167,9 +203,13 @@ def prepare_run(args: argparse.Namespace) -> tuple[RunInfo, Path]:
     return RunInfo.detect(), log_dir
 
 
-def policy_log(args, bench: str, policy: str, log_dir: Path, info: RunInfo) -> Path:
-    """The engine log of one policy's run, announced on stdout."""
-    path = log_dir / f"{bench}-{args.shape}-{harness.file_safe(policy)}.log"
+def policy_log(
+    args, bench: str, policy: str, log_dir: Path, info: RunInfo, round_: int = 0
+) -> Path:
+    """The engine log of one policy's run (of its ``round_``-th, past the first), announced on
+    stdout."""
+    again = f"-round{round_ + 1}" if round_ else ""
+    path = log_dir / f"{bench}-{args.shape}-{harness.file_safe(policy)}{again}.log"
     print(f"{bench}: {policy} on {args.shape} ({info.device}), log {path}", flush=True)
     return path
 
@@ -195,14 +235,20 @@ def saved_results(args: argparse.Namespace, device: str) -> dict[str, dict]:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     info, log_dir = prepare_run(args)
-    results = {}
-    for policy in args.policies:
-        results[policy] = run_policy(args, policy, policy_log(args, BENCH, policy, log_dir, info))
-        print(f"{BENCH}: {policy} decoded with {results[policy]['attention_backend']}", flush=True)
-        if args.partial_dir:
-            args.partial_dir.mkdir(parents=True, exist_ok=True)
-            saved = {"policy": policy, "device": info.device, "result": results[policy]}
-            partial_path(args, policy).write_text(json.dumps(saved))
+    rounds: dict[str, list[dict]] = {policy: [] for policy in args.policies}
+    for round_ in range(args.rounds):
+        order = args.policies if round_ % 2 == 0 else args.policies[::-1]
+        for policy in order:
+            log = policy_log(args, BENCH, policy, log_dir, info, round_)
+            rounds[policy].append(run_policy(args, policy, log))
+            backend = rounds[policy][-1]["attention_backend"]
+            print(f"{BENCH}: {policy} decoded with {backend}", flush=True)
+            if args.partial_dir:  # kept as it comes: a call that times out keeps what ran
+                args.partial_dir.mkdir(parents=True, exist_ok=True)
+                merged = merged_rounds(rounds[policy])
+                saved = {"policy": policy, "device": info.device, "result": merged}
+                partial_path(args, policy).write_text(json.dumps(saved))
+    results = {policy: merged_rounds(found) for policy, found in rounds.items()}
     if args.partial_dir:
         results = saved_results(args, info.device)
     # every policy's floor at the best bandwidth any of its processes measured: the device's

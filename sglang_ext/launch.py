@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-request-bytes",
-        type=_positive_int,
+        type=positive_int,
         default=validation.DEFAULT_MAX_REQUEST_BYTES,
         metavar="N",
         help="a request body over N bytes is answered 413 (default: 16 MiB)",
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:

@@ -277,3 +277,42 @@ def test_host_timing_splits_a_step_at_its_graph_launch_and_profiles_the_other_st
         "host_latency_to_launch_ms", "host_latency_call_ms", "decode_step_latency_ms",
         "host_ms:tests/test_bench_rows.decode",
     ]  # fmt: skip
+
+
+def test_decode_step_rounds_alternate_the_order_and_report_the_median_and_spread(
+    tmp_path, monkeypatch
+):
+    import json
+
+    order, latency = [], {"vanilla@fa3": [0.012, 0.013, 0.011], "delta": [0.005, 0.004, 0.006]}
+
+    def measured(args, policy, log_path):
+        order.append(policy)
+        return {
+            "runs": [{"batch_size": 2, "input_len": 100,
+                      "median_decode_latency": latency[policy][order.count(policy) - 1]}],
+            "kv_capacity_tokens": 1000, "backend_flag": "fa3", "attention_backend": "B",
+            "weight_bytes": 1e9, "kv_bytes_per_token": 1000, "attended_tokens": {"100": 100.0},
+            "copy_bytes_per_s": 1e12 * order.count(policy),
+        }  # fmt: skip
+
+    monkeypatch.setattr(decode_step, "run_policy", measured)
+    decode_step.main(["--shape", "qwen1.5b", "--batch", "2", "--context", "100", "--rounds", "3",
+                      "--policies", "vanilla@fa3,delta", "--out-dir", str(tmp_path),
+                      "--results-md", str(tmp_path / "R.md")])  # fmt: skip
+    assert order == ["vanilla@fa3", "delta", "delta", "vanilla@fa3", "vanilla@fa3", "delta"]
+    (rows_file,) = tmp_path.glob("decode_step-*.json")
+    found = {(r["policy"], r["metric"]): r for r in json.loads(rows_file.read_text())}
+    assert found["delta", "decode_step_latency_s"]["value"] == 0.005  # the median round
+    assert found["delta", "decode_step_latency_s"]["ratio"] == pytest.approx(0.005 / 0.012)
+    assert found["delta", "decode_step_rounds_max_over_min"]["value"] == pytest.approx(1.5)
+    # the floor at the best bandwidth any process measured
+    floor = found["delta", "decode_step_floor_latency_s"]["value"]
+    assert floor == pytest.approx((1e9 + 2 * 100 * 1000) / 3e12)
+
+
+def test_decode_step_rounds_must_be_positive():
+    with pytest.raises(SystemExit):
+        decode_step.build_parser().parse_args(["--shape", "qwen1.5b", "--rounds", "0"])
+    with pytest.raises(SystemExit):  # the benchmarks that run each policy once do not take it
+        decode_profile.build_parser().parse_args(["--shape", "qwen1.5b", "--rounds", "2"])
