@@ -79,8 +79,9 @@ def test_four_policies_in_one_batch_each_give_their_own_servers_tokens(servers):
     lethe = mixed[0]["meta_info"]
     assert lethe["kv_evicted_tokens"][-1] > 0
     assert all(m["meta_info"]["kv_evicted_tokens"][-1] == 0 for m in mixed[1:])
-    assert "delta layer 2 first selected fewer pages" in servers["mix"].log()
-    assert "tidal layer 2 first selected fewer tokens" in servers["mix"].log()
+    # at SmolLM2's first selection layers (its calibration)
+    assert re.search(r"delta layer \d+ first selected fewer pages", servers["mix"].log())
+    assert re.search(r"tidal layer \d+ first selected fewer tokens", servers["mix"].log())
     # the requests' series are labelled by the policy each decoded under
     series = r'^sglang_ext:attended_tokens_per_step_count{[^}]*policy="(\w+)"[^}]*} (\S+)$'
     steps = re.findall(series, servers["mix"].metrics(), re.M)
