@@ -136,7 +136,7 @@ def policy_rows(
     measured = {
         (r["batch_size"], r["input_len"]): r["median_decode_latency"] for r in result["runs"]
     }
-    spreads = {
+    round_latencies = {
         (r["batch_size"], r["input_len"]): r.get("round_latencies", []) for r in result["runs"]
     }
     rows = []
@@ -153,7 +153,7 @@ def policy_rows(
                 values = (latency, batch / latency, floor, latency / floor)
                 metrics = METRICS + FLOOR_METRICS
                 rows += [info.row(**point, metric=m, value=v) for m, v in zip(metrics, values)]
-                rounds = spreads.get((batch, context), [])
+                rounds = round_latencies[batch, context]
                 if len(rounds) > 1:
                     spread = max(rounds) / min(rounds)
                     rows.append(info.row(**point, metric=SPREAD_METRIC, value=spread))
@@ -169,8 +169,8 @@ def merged_rounds(rounds: list[dict]) -> dict:
             point = (run["batch_size"], run["input_len"])
             latencies.setdefault(point, []).append(run["median_decode_latency"])
     runs = [
-        {"batch_size": batch, "input_len": context, "median_decode_latency": statistics.median(
-            found), "round_latencies": found}
+        {"batch_size": batch, "input_len": context, "round_latencies": found,
+         "median_decode_latency": statistics.median(found)}
         for (batch, context), found in latencies.items()
     ]  # fmt: skip
     best_copy = max(result["copy_bytes_per_s"] for result in rounds)
@@ -206,8 +206,8 @@ def prepare_run(args: argparse.Namespace) -> tuple[RunInfo, Path]:
 def policy_log(
     args, bench: str, policy: str, log_dir: Path, info: RunInfo, round_: int = 0
 ) -> Path:
-    """The engine log of one policy's run (of its ``round_``-th, past the first), announced on
-    stdout."""
+    """The engine log of one policy's run, announced on stdout; rounds after the first
+    (``round_`` from 0) are named by their number."""
     again = f"-round{round_ + 1}" if round_ else ""
     path = log_dir / f"{bench}-{args.shape}-{harness.file_safe(policy)}{again}.log"
     print(f"{bench}: {policy} on {args.shape} ({info.device}), log {path}", flush=True)
