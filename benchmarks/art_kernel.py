@@ -74,7 +74,7 @@ def layer_rows(inputs: Inputs, args, info, point, art, art_off) -> tuple[list[Ro
     everything = inputs.batch * inputs.k.shape[1] * -(-inputs.context // art.tile_tokens)
     rows = [
         info.row(**point, policy=p, metric="layer_attention_ms", value=ms,
-                 attention_backend=harness.split_policy(p)[1] or "")
+                 attention_backend=harness.named_backend(p))
         for p, ms in times.items()
     ]  # fmt: skip
     rows += [
@@ -139,7 +139,7 @@ def captured_points(args, info, art, art_off) -> list[Row]:
             for policy in per_layer[0][1]:
                 rows.append(info.row(**point, policy=policy, metric="step_attention_ms",
                                      value=sum(times[policy] for _, times in per_layer),
-                                     attention_backend=harness.split_policy(policy)[1] or ""))  # fmt: skip
+                                     attention_backend=harness.named_backend(policy)))  # fmt: skip
             for metric in ("tiles_read_frac", "rel_error_mean"):
                 values = [r.value for layer_rows_, _ in per_layer for r in layer_rows_ if r.metric == metric]
                 rows.append(info.row(**point, policy="art", metric=metric, value=sum(values) / len(values)))

@@ -225,6 +225,11 @@ def split_policy(name: str) -> tuple[str, str | None]:
     return policy, backend or None
 
 
+def named_backend(name: str) -> str:
+    """The attention backend ``NAME@BACKEND`` names ("" where it names none): a kernel row's."""
+    return split_policy(name)[1] or ""
+
+
 def is_vanilla(name: str) -> bool:
     return split_policy(name)[0] == VANILLA
 

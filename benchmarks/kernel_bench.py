@@ -329,7 +329,7 @@ def layer_rows(cfg, inputs, args, bandwidth, point: dict, info) -> list[Row]:
     )
     rows = [
         info.row(**point, policy=p, metric="layer_attention_ms", value=ms,
-                 attention_backend=harness.split_policy(p)[1] or "")
+                 attention_backend=harness.named_backend(p))
         for p, ms in per_layer.items()
     ]  # fmt: skip
     step = {p: ms * num_layers for p, ms in per_layer.items()}
@@ -350,12 +350,12 @@ def layer_rows(cfg, inputs, args, bandwidth, point: dict, info) -> list[Row]:
         )
     rows += [
         info.row(**point, policy=p, metric="layer_floor_ratio", value=ms / full_floor_ms,
-                 attention_backend=harness.split_policy(p)[1] or "")
+                 attention_backend=harness.named_backend(p))
         for p, ms in per_layer.items()
     ]  # fmt: skip
     rows += [
         info.row(**point, policy=p, metric="step_attention_ms", value=ms,
-                 attention_backend=harness.split_policy(p)[1] or "")
+                 attention_backend=harness.named_backend(p))
         for p, ms in step.items()
     ]  # fmt: skip
     return rows

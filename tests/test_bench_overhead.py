@@ -20,7 +20,7 @@ def test_the_baseline_is_the_fastest_vanilla_backend():
     times = [harness.Row(**{**vars(r), "metric": "layer_ms", "value": 6 / r.value}) for r in rates]
     over_floor = [harness.Row(**{**vars(r), "metric": "layer_floor_ratio"}) for r in times]
     for r in rates + times + over_floor:
-        r.attention_backend = harness.split_policy(r.policy)[1] or ""
+        r.attention_backend = harness.named_backend(r.policy)
     harness.add_baseline_ratios(rates + times + over_floor)
     ratios = lambda rows: [(r.baseline_backend, r.ratio) for r in rows]  # noqa: E731
     assert ratios(rates) == [("triton", 2 / 3), ("triton", 1.0), ("triton", 2.0)]
