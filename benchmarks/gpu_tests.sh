@@ -14,7 +14,7 @@
 set -euo pipefail
 source benchmarks/gpu_smol_model.sh
 # the installed sglang_ext (its plugin entry point) wins over the checkout; tests/ from the checkout
-kernels=(tests/test_kernels_*.py tests/test_policy_*.py tests/test_lethe_runtime.py)
+kernels=(tests/test_kernels_*.py tests/test_policy_*.py tests/test_lethe_runtime.py tests/test_layer_memory.py)
 case "${1:-all}" in
   kernels) tests=("${kernels[@]}")
     "${PYTHON:-python3}" -c "from sglang_ext.engine import kernel_warmup as k; k.build_sampling_kernels('flashinfer')" ;;

@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated; 'none' is one retained set for every layer (Lethe's default)",
     )
     parser.add_argument("--recent-ratios", type=_float_list, default=[0.1, 0.3])
+    parser.add_argument(
+        "--pack-layers", type=_bool_list, default=[True],
+        help="comma-separated true/false: per-layer lists packed into shared slots (memory = "
+        "the sum of the lists) or freed by the union; both compares them in one run",
+    )  # fmt: skip
     parser.add_argument("--max-kv-ratio", type=float, default=0.3)
     parser.add_argument("--evict-threshold", type=int, default=256)
     parser.add_argument("--greedy-lengths", type=harness.int_list, default=[1024])
@@ -76,17 +81,28 @@ def _float_list(text: str) -> list[float]:
     return [float(x) for x in text.split(",")]
 
 
+def _bool_list(text: str) -> list[bool]:
+    values = {"true": True, "false": False}
+    try:
+        return [values[x.strip().lower()] for x in text.split(",")]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"expected true/false values, got {text!r}") from None
+
+
 def _ratio_list(text: str) -> list[float | None]:
     return [None if x.strip() == "none" else float(x) for x in text.split(",")]
 
 
 def grid(args) -> list[LetheRun]:
     base = {"max_kv_ratio": args.max_kv_ratio, "evict_threshold": args.evict_threshold}
-    return [LetheRun(None)] + [
-        LetheRun({**base, "sparse_ratio": s, "recent_ratio": r})
-        for s in args.sparse_ratios
-        for r in args.recent_ratios
-    ]
+    runs = [LetheRun(None)]
+    for s in args.sparse_ratios:
+        packs = args.pack_layers if s is not None else [True]  # one set: nothing to pack
+        for r in args.recent_ratios:
+            for pack in packs:
+                extra = {} if pack else {"pack_layers": False}
+                runs.append(LetheRun({**base, "sparse_ratio": s, "recent_ratio": r, **extra}))
+    return runs
 
 
 def kept_fraction(log_text: str) -> float | None:
@@ -152,15 +168,15 @@ def main(argv: list[str] | None = None) -> None:
         f"time, temperature 0; lethe evict_threshold {args.evict_threshold}, max_kv_ratio "
         f"{args.max_kv_ratio}; requests and answers: `{cases_path.name}`",
         "",
-        "| policy | sparse_ratio | recent_ratio | KV kept | lookup (cases full passes) "
-        "| greedy identical prefix | greedy tokens equal |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| policy | sparse_ratio | recent_ratio | layers' memory | KV kept "
+        "| lookup (cases full passes) | greedy identical prefix | greedy tokens equal |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     for run, m in table:
         params = run.params or {}
         lines.append(
             f"| {run.policy} | {params.get('sparse_ratio', '–')} | "
-            f"{params.get('recent_ratio', '–')} | {_fmt(m['kv_kept_frac'])} | "
+            f"{params.get('recent_ratio', '–')} | {_memory(params)} | {_fmt(m['kv_kept_frac'])} | "
             f"{_fmt(m['lookup_accuracy_full_passed'])} | "
             f"{m['greedy_identical_prefix_tokens']:.1f} | {m['greedy_token_match_frac']:.3f} |"
         )
@@ -168,6 +184,12 @@ def main(argv: list[str] | None = None) -> None:
     with open(args.results_md, "a") as md:
         md.write(notes)
     print(notes, flush=True)
+
+
+def _memory(params: dict) -> str:
+    if params.get("sparse_ratio") is None:
+        return "–"
+    return "packed (sum)" if params.get("pack_layers", True) else "union"
 
 
 def _fmt(value: float | None) -> str:

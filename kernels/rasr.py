@@ -3,19 +3,16 @@ RASR scores (Recency-Aware Selective Retention, Lethe Eq. 5):
 
     s_t = gamma * s_{t-1} + sum over query heads of the attention probability the token receives.
 
-A layer's retained set is a per-request list of logical positions in ascending order
-(``positions[row, :count[row]]``, rows are SGLang request slots), with one score per entry
-(``scores[row, j]`` belongs to ``positions[row, j]``). The attention is the split-KV kernel over
-that list (it also stores each attended token's scaled logit); once its LSE is known, one fused
-kernel turns the logits into probabilities, sums them over heads and updates the scores in place.
-Lengths stay on the device and grids depend on shapes only, so decode keeps its CUDA graph.
+A layer's retained set is a per-request list of entries with one score each. On CUDA a layer
+attends over a table of KV rows (``shared_retained_decode``): the split-KV kernel over the list
+(it also stores each attended token's scaled logit, by list entry), then one fused kernel turns
+the logits into probabilities, sums them over heads and updates the scores in place. Lengths stay
+on the device and grids depend on shapes only, so decode keeps its CUDA graph.
 
-When every layer keeps the same list (Lethe without per-layer lists, its default), the lists'
-KV slots are gathered once per step into a table (``gather_retained_slots``) and each layer
-attends over it as over a cache of its own (``shared_retained_decode``): one indirection fewer
-per token than through the positions, 64-token tiles, and the logits stored by list entry, so
-the score update reads them contiguously.
-"""
+The table: when every layer keeps the same list of logical positions (Lethe without per-layer
+lists, its default), their KV slots are gathered once per step (``gather_retained_slots``) and
+every layer attends over them; under per-layer memory each layer's list holds its entries' global
+rows of the pool's one buffer (``sglang_ext.layer_memory``) and is the table itself."""
 
 import torch
 import triton
@@ -33,19 +30,16 @@ _PROGRAMS_PER_ENTRY = 8
 def _accumulate_kernel(
     Logits,
     Lse,
-    Positions,
     EntryCount,
     Rows,
     Scores,
     gamma,
     stride_lg_b,
     stride_lg_h,
-    stride_pos_row,
     stride_sc_row,
     NUM_Q_HEADS: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_J: tl.constexpr,
-    BY_ENTRY: tl.constexpr,  # logits stored at the list entry's index, not at its position
 ):
     batch = tl.program_id(0).to(tl.int64)
     row = tl.load(Rows + batch).to(tl.int64)
@@ -57,12 +51,8 @@ def _accumulate_kernel(
     for start in range(tl.program_id(1) * BLOCK_J, count, stride):
         offs_j = start + tl.arange(0, BLOCK_J)
         valid_j = offs_j < count
-        if BY_ENTRY:
-            at = offs_j
-        else:
-            at = tl.load(Positions + row * stride_pos_row + offs_j, mask=valid_j, other=0)
         logits = tl.load(
-            Logits + batch * stride_lg_b + offs_h[:, None] * stride_lg_h + at[None, :],
+            Logits + batch * stride_lg_b + offs_h[:, None] * stride_lg_h + offs_j[None, :],
             mask=mask_h[:, None] & valid_j[None, :],
             other=float("-inf"),
         )
@@ -100,55 +90,15 @@ def _gather_slots_kernel(
         tl.store(SlotTable + batch * stride_table + offs_j, slot, mask=valid_j)
 
 
-def _accumulate(logits, lse, positions, entry_count, rows, scores, gamma, by_entry) -> None:
-    """scores[rows[b], j] = gamma * scores[rows[b], j] + sum over heads of exp(logit - lse), for
-    j < entry_count[b]; a logit at position positions[rows[b], j], or at j ``by_entry``."""
+def _accumulate(logits, lse, entry_count, rows, scores, gamma) -> None:
+    """scores[rows[b], j] = gamma * scores[rows[b], j] + sum over heads of exp(logits[b, :, j] -
+    lse[b]), for j < entry_count[b]."""
     batch, num_q_heads = lse.shape
     _accumulate_kernel[(batch, _PROGRAMS_PER_ENTRY)](
-        logits, lse, positions, entry_count, rows, scores, gamma,
-        logits.stride(0), logits.stride(1), positions.stride(0), scores.stride(0),
+        logits, lse, entry_count, rows, scores, gamma,
+        logits.stride(0), logits.stride(1), scores.stride(0),
         NUM_Q_HEADS=num_q_heads, BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_J=_BLOCK_J,
-        BY_ENTRY=by_entry,
     )  # fmt: skip
-
-
-def retained_decode(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    positions: torch.Tensor,
-    count: torch.Tensor,
-    scores: torch.Tensor,
-    sm_scale: float,
-    gamma: float,
-    logits: torch.Tensor,
-    num_kv_splits: int | None = None,
-    state_rows: torch.Tensor | None = None,
-    workspace: SplitKVWorkspace | None = None,
-) -> torch.Tensor:
-    """Decode attention of q [batch, q_heads, dim] over each request's retained positions.
-
-    positions [rows, cap] int32 and count [rows] int32 hold every request slot's retained list;
-    scores [rows, cap] fp32 is updated in place for the batch's rows. ``logits`` is a scratch
-    buffer [>= batch, q_heads, >= max position + 1] fp32. ``state_rows`` (default
-    req_pool_indices) picks each entry's row of positions/count/scores: CUDA-graph padding points
-    it at a row with count 0, so padded entries read and score nothing; the kernel reads each
-    entry's list in place (no gather of the context-wide rows). ``num_kv_splits`` and
-    ``workspace`` as for split_kv_decode. Returns out in q's dtype.
-    """
-    batch = q.shape[0]
-    rows = req_pool_indices if state_rows is None else state_rows
-    entry_count = count[rows]
-    out, lse = split_kv_decode(
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale,
-        selected=positions, selected_rows=rows, num_selected=entry_count, selected_span=1,
-        logits=logits[:batch], num_kv_splits=num_kv_splits, workspace=workspace,
-    )  # fmt: skip
-    _accumulate(logits, lse, positions, entry_count, rows, scores, gamma, by_entry=False)
-    return out
 
 
 def gather_retained_slots(
@@ -185,18 +135,47 @@ def shared_retained_decode(
     logits: torch.Tensor,
     workspace: SplitKVWorkspace | None = None,
 ) -> torch.Tensor:
-    """retained_decode over the step's ``gather_retained_slots`` table: entry b attends to
-    slot_table[b, :entry_count[b]] and updates scores[state_rows[b], :entry_count[b]] in place.
-    ``table_rows`` is arange(>= batch) (int64); ``logits`` a scratch [>= batch, q_heads, >=
-    longest list] fp32. Returns out in q's dtype."""
+    """Decode attention of q [batch, q_heads, dim] over a table of KV rows, with the RASR update:
+    entry b attends to rows slot_table[table_rows[b], :entry_count[b]] of k_buffer/v_buffer and
+    updates scores[state_rows[b], :entry_count[b]] in place. The table is the step's
+    ``gather_retained_slots`` (``table_rows`` arange(>= batch), int64) or, under per-layer
+    memory, a layer's list of global rows by request slot (``table_rows`` the state rows, the
+    buffers the pool's whole-pool views). ``logits`` a scratch [>= batch, q_heads, >= longest
+    list] fp32. Returns out in q's dtype."""
     batch = q.shape[0]
     counts = entry_count[:batch]
     out, lse = split_kv_decode(
         q, k_buffer, v_buffer, slot_table, table_rows[:batch], counts, sm_scale,
         logits=logits[:batch], workspace=workspace,
     )  # fmt: skip
-    # BY_ENTRY reads no positions: the state rows stand in for the unread argument
-    _accumulate(logits, lse, state_rows, counts, state_rows, scores, gamma, by_entry=True)
+    _accumulate(logits, lse, counts, state_rows, scores, gamma)
+    return out
+
+
+def shared_retained_decode_ref(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    slot_table: torch.Tensor,
+    table_rows: torch.Tensor,
+    entry_count: torch.Tensor,
+    scores: torch.Tensor,
+    state_rows: torch.Tensor,
+    sm_scale: float,
+    gamma: float,
+) -> torch.Tensor:
+    """Torch oracle of shared_retained_decode (and the CPU engine's path under per-layer
+    memory), fp32; an entry with count 0 (padding) gets zeros."""
+    out = torch.zeros_like(q)
+    rows = zip(table_rows.tolist(), entry_count.tolist(), state_rows.tolist())
+    for b, (table_row, n, state_row) in enumerate(rows):
+        if n == 0:
+            continue
+        slots = slot_table[table_row, :n].long()
+        out_b, logits = attend_positions_ref(q[b], k_buffer, v_buffer, slots, sm_scale)
+        out[b] = out_b.to(q.dtype)
+        received = torch.softmax(logits, dim=-1).sum(dim=0)
+        scores[state_row, :n] = gamma * scores[state_row, :n] + received
     return out
 
 
@@ -214,8 +193,10 @@ def retained_decode_ref(
     gamma: float,
     state_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch oracle of retained_decode (and the CPU engine's path): per request, fp32; an entry
-    whose state row holds nothing (padding) gets zeros."""
+    """Decode over each request's retained positions (``positions[row, :count[row]]``) through
+    ``req_to_token``: the CPU engine's path with one list for every layer, and the oracle of the
+    gathered table (``gather_retained_slots`` + ``shared_retained_decode``); fp32 per request,
+    an entry whose state row holds nothing (padding) gets zeros."""
     out = torch.zeros_like(q)
     rows = req_pool_indices if state_rows is None else state_rows
     for b, (row, slots_row) in enumerate(zip(rows.tolist(), req_pool_indices.tolist())):

@@ -185,6 +185,12 @@ class KVPolicy:
         """Whether its decode counts KV tiles read (ART) into ``ctx.art_tile_counts``."""
         return False
 
+    def pools_layer_rows(self) -> bool:
+        """Whether its runtime keeps a layer's K/V in any layer's row of a slot it holds
+        (per-layer memory in SGLang's one-slot-per-token pool): the engine then allocates the
+        pool's layers as one buffer, so that a row of any layer is addressable from every layer."""
+        return False
+
     def server_defaults(self) -> dict[str, str | None]:
         """SGLang flags the launcher adds where the user gave none (None: a flag without value)."""
         return {}

@@ -16,11 +16,15 @@ memory (``benchmarks.agreement``, RESULTS.md), and the speed benchmarks' layers 
 anyway (dummy weights have no breakpoint). ``sparse_ratio`` set turns the paper's rule on. Rounds
 repeat as the request grows; the threshold follows Algorithm 1.
 
-Memory: SGLang stores a token's K/V for all layers in one slot, so a slot is freed only when every
-layer drops the token. Layers whose attention is flat find no breakpoint and keep everything (on
-SmolLM2 the first layers do), so the paper's per-layer rule alone can free nothing. A round
-therefore also caps the request's KV at ``max_kv_ratio`` of its tokens (``cap_union``); 1.0 turns
-the cap off and leaves the paper's rule alone. The engine side lives in ``sglang_ext.eviction``.
+Memory: a round caps the request's KV at ``max_kv_ratio`` of its tokens; 1.0 turns the cap off
+and leaves the paper's rule alone. Without per-layer lists the cap cuts the one retained set
+(``cap_union``). With them, memory is per layer (``sglang_ext.layer_memory``): each layer's list
+is cut to the cap (``cap_layers``), and a request holds ``ceil(sum of its layers' entries /
+layers)`` slots, its kept entries packed into the rows of those slots, whatever the layers keep
+in common (``pack_layers``; False frees a slot only once no layer keeps its token, the union
+capped as without per-layer lists). Layers whose attention is flat find no breakpoint and keep everything (on SmolLM2 the
+first layers do), so the cap still bounds them. The engine side lives in
+``sglang_ext.eviction``.
 
 Breakpoint: the paper's text reads "first cut where v_top[0] / v_top[cut] <= tau", which holds at
 the first cut for any but the steepest scores and would make a larger tau prune *more*; its
@@ -72,6 +76,9 @@ class Lethe(KVPolicy):
     segments: int = 10  # D: cut points of the sorted scores
     decay: float = 0.95  # gamma of RASR
     max_kv_ratio: float = 0.3  # a round leaves at most this fraction of a request's tokens' KV
+    # with per-layer lists: memory is the sum of the layers' lists, packed into shared slots
+    # (sglang_ext.layer_memory); False: a slot is freed once no layer keeps its token (the union)
+    pack_layers: bool = True
     observation_window: int = 32  # the last prompt tokens whose attention seeds the scores
     observation_pool: int = 9  # odd: a seeded score is the best of the token and its neighbours
 
@@ -106,6 +113,9 @@ class Lethe(KVPolicy):
     def per_layer_lists(self) -> bool:
         """Whether layers may keep different lists (else every layer keeps the request's set)."""
         return self.sparse_ratio is not None
+
+    def pools_layer_rows(self) -> bool:
+        return self.per_layer_lists()
 
     def runtime(self, ctx: DecodeContext):
         from sglang_ext.eviction import LetheRuntime
@@ -198,6 +208,25 @@ class Lethe(KVPolicy):
         chosen = (torch.arange(top.indices.numel(), device=device) < room) & torch.isfinite(top.values)
         capped |= torch.zeros_like(capped).scatter_(0, top.indices, chosen)
         return torch.where(union.sum() <= cap, union, capped)
+
+    def cap_layers(
+        self, positions: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor, length: int
+    ) -> torch.Tensor:
+        """What ``shrink_layers`` kept ([layers, n] each, entries by ascending position), each
+        layer cut to ``round_cap(length)`` entries where it kept more: its sink tokens and its
+        most recent entries first, then by its own score. On the device, without a host sync."""
+        cap = self.round_cap(length)
+        kept = keep.sum(1, keepdim=True)
+        from_end = kept - torch.cumsum(keep.long(), 1)  # 0 at a layer's last kept entry
+        forced = keep & ((positions < self.sink_tokens) | (from_end < self.recent_window(cap)))
+        room = cap - forced.sum(1, keepdim=True)
+        candidates = torch.where(keep & ~forced, scores, float("-inf"))
+        order = torch.argsort(candidates, dim=1, descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(
+            1, order, torch.arange(order.shape[1], device=order.device).expand_as(order)
+        )
+        chosen = (rank < room) & torch.isfinite(candidates)
+        return torch.where(kept <= cap, keep, forced | chosen)
 
     def round_cap(self, length: int) -> int:
         """The most positions of ``length`` a round leaves."""

@@ -66,6 +66,9 @@ class PolicyMix(KVPolicy):
     def reads_tiles(self) -> bool:
         return any(m.reads_tiles() for m in self.members)
 
+    def pools_layer_rows(self) -> bool:
+        return any(m.pools_layer_rows() for m in self.members)
+
     def server_defaults(self) -> dict[str, str | None]:
         defaults: dict[str, str | None] = {}
         for member in self.members:

@@ -5,7 +5,10 @@ State, per SGLang request slot (a row of ``req_to_token``) and per layer, on the
 prefill resets a row to every position it holds; each decode step appends the new token to every
 layer's list (once per step, ``prepare_decode``); a layer's decode attention reads only its list
 (``kernels.rasr``). Without per-layer lists (the default) every layer's list is the same, so on
-CUDA the step gathers its KV slots once and every layer attends over that table.
+CUDA the step gathers its KV slots once and every layer attends over that table. With per-layer
+lists, memory is per layer (``sglang_ext.layer_memory``): every entry also holds its K/V row
+(``layer_rows``, a global row of the pool's one buffer), rounds pack a request's kept entries into
+as few slots as hold them, and a layer attends over its entries' rows.
 
 Memory: SGLang keeps its own view of a request (``seq_lens``, ``req_to_token``, the true
 positions for RoPE) unchanged; a slot freed by a round leaves a hole, ``DecodeContext.hole_slot``
@@ -90,6 +93,16 @@ class LetheRuntime(PolicyRuntime):
                 self._slot_table = torch.zeros(table, dtype=torch.int32, device=ctx.device)
                 self._entry_count = torch.zeros(table[0], dtype=torch.int32, device=ctx.device)
                 self._table_rows = torch.arange(table[0], device=ctx.device)
+        self.layer_rows = None  # per-layer memory: each entry's global K/V row
+        if policy.pools_layer_rows():
+            from sglang_ext.layer_memory import pooled_buffers
+
+            self.pooled = pooled_buffers(ctx.kv_pool, ctx.num_layers)
+            self.layer_rows = torch.zeros(shape, dtype=torch.int32, device=ctx.device)
+            self._row_offsets = self._layers.to(torch.int32) * self.pooled.slots
+            self._entry_counts = torch.zeros(
+                (ctx.num_layers, ctx.max_batch_size), dtype=torch.int32, device=ctx.device
+            )
         self._extending = _Extending([], [], [])
         super().__init__(policy, ctx)
         self.decode_fns = [self._decode] * ctx.num_layers
@@ -151,7 +164,12 @@ class LetheRuntime(PolicyRuntime):
         self.positions[self._layers, state_rows, at] = (seq_lens - 1).to(torch.int32)
         # A device zero: a Python scalar would be copied from the host, which CUDA graphs forbid.
         self.scores.index_put_((self._layers, state_rows, at), self._zero_score)
-        self.count[:, state_rows] = torch.where(real, at + 1, 0).to(torch.int32)
+        counts = torch.where(real, at + 1, 0).to(torch.int32)
+        self.count[:, state_rows] = counts
+        if self.layer_rows is not None:
+            new_rows = self._row_offsets + forward_batch.out_cache_loc.to(torch.int32)
+            self.layer_rows[self._layers, state_rows, at] = new_rows
+            self._entry_counts[:, :batch] = counts
         if self._slot_table is not None:
             from sglang_ext.kernels import rasr
 
@@ -192,6 +210,8 @@ class LetheRuntime(PolicyRuntime):
         lid = layer.layer_id
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         pool = self.ctx.kv_pool
+        if self.layer_rows is not None:
+            return self._decode_rows(q, lid, layer.scaling).view(q.shape[0], -1)
         if self._slot_table is not None:
             out = rasr.shared_retained_decode(
                 q, pool.get_key_buffer(lid), pool.get_value_buffer(lid), self._slot_table,
@@ -200,28 +220,41 @@ class LetheRuntime(PolicyRuntime):
                 workspace=self._workspace,
             )  # fmt: skip
             return out.view(q.shape[0], -1)
-        args = (
+        out = rasr.retained_decode_ref(  # off CUDA: the torch path
             q, pool.get_key_buffer(lid), pool.get_value_buffer(lid), self.ctx.req_to_token,
-            forward_batch.req_pool_indices, forward_batch.seq_lens,
-            self.positions[lid], self.count[lid], self.scores[lid],
+            forward_batch.req_pool_indices, forward_batch.seq_lens, self.positions[lid],
+            self.count[lid], self.scores[lid], layer.scaling, self.policy.decay,
+            self.state_rows[: q.shape[0]],
         )  # fmt: skip
-        if q.is_cuda:
-            out = rasr.retained_decode(
-                *args, layer.scaling, self.policy.decay, self._logits,
-                state_rows=self.state_rows[: q.shape[0]], workspace=self._workspace,
-            )  # fmt: skip
-        else:
-            out = rasr.retained_decode_ref(
-                *args, layer.scaling, self.policy.decay, self.state_rows[: q.shape[0]]
-            )
         return out.view(q.shape[0], -1)
 
+    def _decode_rows(self, q, lid: int, scaling: float):
+        """Per-layer memory: each entry attends over its layer's entries' rows."""
+        from sglang_ext.kernels import rasr
+
+        batch = q.shape[0]
+        rows, state_rows = self.layer_rows[lid], self.state_rows[:batch]
+        args = (q, self.pooled.keys, self.pooled.values, rows, state_rows)
+        counts, scores = self._entry_counts[lid], self.scores[lid]
+        if q.is_cuda:
+            return rasr.shared_retained_decode(
+                *args, counts, scores, state_rows, scaling, self.policy.decay, self._logits,
+                workspace=self._workspace,
+            )  # fmt: skip
+        return rasr.shared_retained_decode_ref(
+            *args, counts[:batch], scores, state_rows, scaling, self.policy.decay
+        )
+
     def reset_rows(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        """A prefill: each row retains every position it holds, with zero scores."""
+        """A prefill: each row retains every position it holds, with zero scores, each layer's
+        entries at their own layer's rows of the request's slots."""
         rows = req_pool_indices.long()
         self.positions[:, rows] = self._arange
         self.scores[:, rows] = 0.0
         self.count[:, rows] = seq_lens.to(torch.int32)
+        if self.layer_rows is not None:
+            slots = self.ctx.req_to_token[rows]
+            self.layer_rows[:, rows] = slots[None] + self._row_offsets[:, :, None]
 
     def after_extend(self, q, layer, forward_batch) -> None:
         """Seed a prefilled request's scores in this layer: the attention its last
@@ -257,8 +290,8 @@ class LetheRuntime(PolicyRuntime):
 
     def prune(self, request: StepRequest, length: int, engine: EngineOps) -> None:
         """One pruning round of a request over its first ``length`` positions: every layer at
-        once on the device (``Lethe.shrink_layers``, ``cap_union_layers``), with three host reads
-        per round (the lists' lengths, the slots to free, the outcome)."""
+        once on the device (``Lethe.shrink_layers``, then ``_free_union`` or ``_pack_layers``),
+        with a few host reads per round (the lists' lengths, the slots to free, the outcome)."""
         from sglang_ext.policies.lethe import LayerShrink
 
         state, row = request.state, request.row
@@ -269,20 +302,15 @@ class LetheRuntime(PolicyRuntime):
         ranks = self.ctx.ranks
         combined = scores if ranks is None else ranks.sum(scores)  # over every rank's heads
         keep, found, salient_plus_recent = own.shrink_layers(positions, combined, counts)
-        kept_by_any = own.cap_union_layers(positions, combined, keep, length)
-        if ranks is not None:
-            ranks.agree(kept_by_any.to(torch.int32), f"the tokens {request.rid} keeps")
-        stays = keep & kept_by_any[positions.long().clamp(max=length - 1)]
+        packs = self.layer_rows is not None and own.pack_layers
+        free = self._pack_layers if packs else self._free_union
+        stays, freed = free(request, positions, combined, keep, length)
         order = torch.sort((~stays).to(torch.int8), dim=1, stable=True).indices  # kept first
         self.positions[:, row, :n] = positions.gather(1, order)
         self.scores[:, row, :n] = scores.gather(1, order)
+        if self.layer_rows is not None:
+            self.layer_rows[:, row, :n] = self.layer_rows[:, row, :n].gather(1, order)
         self.count[:, row] = stays.sum(1).to(torch.int32)
-        slots = self.ctx.req_to_token[row, :length]
-        hole = self.ctx.hole_slot
-        freeable = ~kept_by_any & (slots != hole)
-        freeable[: request.protected_len] = False  # owned by the radix tree
-        freed = slots[freeable].to(torch.int64)
-        slots[freeable] = hole
         available_before = engine.available_slots()
         engine.free_slots(freed)
 
@@ -303,3 +331,31 @@ class LetheRuntime(PolicyRuntime):
             state.rounds, request.rid, length, freed.numel(), available_before, engine.available_slots(),
             retained, request.protected_len, lethe.threshold, per_layer,
         )  # fmt: skip
+
+    def _free_union(self, request, positions, scores, keep, length: int):
+        """One retained set for the request, capped (``cap_union_layers``): a slot goes back once
+        no layer keeps its token, leaving a hole. Returns (the entries that stay, slots freed)."""
+        own, ranks = request.state.policy, self.ctx.ranks
+        kept_by_any = own.cap_union_layers(positions, scores, keep, length)
+        if ranks is not None:
+            ranks.agree(kept_by_any.to(torch.int32), f"the tokens {request.rid} keeps")
+        slots = self.ctx.req_to_token[request.row, :length]
+        freeable = ~kept_by_any & (slots != self.ctx.hole_slot)
+        freeable[: request.protected_len] = False  # owned by the radix tree
+        freed = slots[freeable].to(torch.int64)
+        slots[freeable] = self.ctx.hole_slot
+        return keep & kept_by_any[positions.long().clamp(max=length - 1)], freed
+
+    def _pack_layers(self, request, positions, scores, keep, length: int):
+        """Per-layer memory: each layer's list capped (``cap_layers``), the kept entries of all
+        layers packed into as few of the request's slots as hold them (``pack_rows``)."""
+        from sglang_ext.layer_memory import pack_rows
+
+        own, ranks = request.state.policy, self.ctx.ranks
+        stays = own.cap_layers(positions, scores, keep, length)
+        if ranks is not None:
+            ranks.agree(stays.to(torch.int32), f"the entries {request.rid} keeps")
+        entries = self.layer_rows[:, request.row, : keep.shape[1]]
+        slots = self.ctx.req_to_token[request.row, :length]
+        packing = pack_rows(self.pooled, entries, stays, slots, request.protected_len, self.ctx.hole_slot)
+        return stays, packing.freed

@@ -32,8 +32,9 @@ class Cache:
         def randn(*shape):
             return torch.randn(shape, generator=gen).to(self.device, dtype)
 
-        self.keys = [randn(self.SLOTS, self.KV_HEADS, self.DIM) for _ in range(num_layers)]
-        self.values = [randn(self.SLOTS, self.KV_HEADS, self.DIM) for _ in range(num_layers)]
+        # each one buffer of per-layer views, as the engine allocates them for per-layer memory
+        self.keys = list(randn(num_layers, self.SLOTS, self.KV_HEADS, self.DIM).unbind(0))
+        self.values = list(randn(num_layers, self.SLOTS, self.KV_HEADS, self.DIM).unbind(0))
         req_to_token = torch.zeros(8, 512, dtype=torch.int32)
         slots = torch.randperm(self.SLOTS, generator=gen).int()
         start = 0
@@ -80,8 +81,8 @@ class Cache:
         view.req_to_token = self.req_to_token.clone()  # each rank's own (eviction writes holes)
         view.Q_HEADS, view.KV_HEADS = q_per_rank, kv_per_rank
         kv = slice(rank * kv_per_rank, (rank + 1) * kv_per_rank)
-        view.keys = [k[:, kv].clone() for k in self.keys]
-        view.values = [v[:, kv].clone() for v in self.values]
+        view.keys = list(torch.stack([k[:, kv] for k in self.keys]).unbind(0))
+        view.values = list(torch.stack([v[:, kv] for v in self.values]).unbind(0))
         q = self.q.view(len(self.q), self.Q_HEADS, self.DIM)
         view.q = q[:, rank * q_per_rank : (rank + 1) * q_per_rank].reshape(len(self.q), -1)
         view.new_k, view.new_v = self.new_k[:, kv].clone(), self.new_v[:, kv].clone()

@@ -47,6 +47,10 @@ CONFIGS = {
     "delta_small": ("delta", {"budget_pages": 4, "recent_pages": 1}, ON_FLASHINFER),
     "tidal_small": ("tidal", {"budget_tokens": 64}, ON_FLASHINFER),
     "lethe": ("lethe", {"evict_threshold": THRESHOLD, "max_kv_ratio": MAX_KV_RATIO}, []),
+    # per-layer lists in per-layer memory: the pool's layers one buffer, rounds pack the rows
+    "lethe_layers": ("lethe", {
+        "evict_threshold": THRESHOLD, "max_kv_ratio": MAX_KV_RATIO, "sparse_ratio": 2.0,
+    }, []),
     # every request its own policy, in one batch (policies/mix.py)
     "mix": ("lethe,delta,tidal,full", {
         "lethe": {"evict_threshold": THRESHOLD, "max_kv_ratio": MAX_KV_RATIO},
@@ -183,9 +187,10 @@ def test_small_budgets_attend_to_their_selection_and_answer(servers, name):
     assert_exact_and_healthy(servers[name])
 
 
-def test_lethe_frees_slots_in_rounds_and_the_pool_stays_exact(servers):
-    needs(servers, "lethe")
-    server = servers["lethe"]
+@pytest.mark.parametrize("name", ["lethe", "lethe_layers"])
+def test_lethe_frees_slots_in_rounds_and_the_pool_stays_exact(servers, name):
+    needs(servers, name)
+    server = servers[name]
     for text in (PROMPTS[0], LONG_PROMPT):
         out = generate(server, text, max_new_tokens=300)
         meta = out["meta_info"]

@@ -19,7 +19,7 @@ THRESHOLD = 128
 MAX_KV_RATIO = 0.3
 ROUND = re.compile(
     r"lethe round (\d+) of (\w+): (\d+) positions, freed (\d+) slots \(available (\d+) -> (\d+)\), "
-    r"retained (\d+) \(radix-owned (\d+)\)"
+    r"retained (\d+) \(radix-owned (\d+)\), next threshold \d+, retained per layer \[([\d, ]+)\]"
 )
 STORY = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 COMMON = ["--log-level", "info", "--dtype", "float32"]
@@ -27,6 +27,11 @@ SERVERS = {
     # rounds from 128 tokens on: every test request is pruned several times
     "lethe": (
         {"evict_threshold": THRESHOLD, "max_kv_ratio": MAX_KV_RATIO},
+        ["--max-total-tokens", "16384"],
+    ),
+    # per-layer lists (the paper's rule) with per-layer memory: each layer keeps its own tokens
+    "layers": (
+        {"evict_threshold": THRESHOLD, "max_kv_ratio": MAX_KV_RATIO, "sparse_ratio": 2.0},
         ["--max-total-tokens", "16384"],
     ),
     # pools too small for 4 requests x 325 tokens at their full length (3 at 256: 768 > 700)
@@ -80,7 +85,7 @@ def test_rounds_return_slots_and_keep_retained_kv_under_budget(servers):
     rounds = rounds_of(server, out["meta_info"]["id"])
     assert len(rounds) >= 2, server.log()[-3000:]
     for m in rounds:
-        positions, freed, before, after, retained, radix_owned = map(int, m.groups()[2:])
+        positions, freed, before, after, retained, radix_owned = map(int, m.groups()[2:8])
         assert after == before + freed  # the allocator's free size grew by what the round freed
         assert retained <= math.ceil(MAX_KV_RATIO * positions) + radix_owned
     assert sum(int(m[4]) for m in rounds) > 0
@@ -101,8 +106,27 @@ def test_needle_is_answered_after_eviction(servers, model_path, depth):
     assert_healthy_and_exact(server)
 
 
-def test_abort_mid_stream_after_rounds_leaks_nothing(servers):
-    server = servers["lethe"]
+def test_per_layer_memory_holds_the_sum_of_the_layers_lists(servers):
+    server = servers["layers"]
+    out = generate(server, STORY, 300)
+    rounds = rounds_of(server, out["meta_info"]["id"])
+    assert len(rounds) >= 2, server.log()[-3000:]
+    for m in rounds:
+        positions, freed, before, after, retained, radix_owned = map(int, m.groups()[2:8])
+        per_layer = [int(n) for n in m[9].split(",")]
+        assert radix_owned == 0 and after == before + freed
+        # each layer at most the cap; the request's slots hold the layers' entries packed
+        assert max(per_layer) <= math.ceil(MAX_KV_RATIO * positions)
+        assert retained == math.ceil(sum(per_layer) / len(per_layer))
+    last_per_layer = [int(n) for n in rounds[-1][9].split(",")]
+    assert int(rounds[-1][7]) < max(last_per_layer)  # less than a slot per token any layer keeps
+    assert out["meta_info"]["completion_tokens"] == 300
+    assert_healthy_and_exact(server)
+
+
+@pytest.mark.parametrize("name", ["lethe", "layers"])
+def test_abort_mid_stream_after_rounds_leaks_nothing(servers, name):
+    server = servers[name]
     body = {"text": STORY, "stream": True,
             "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}}  # fmt: skip
     with requests.post(f"{server.url}/generate", json=body, stream=True, timeout=300) as response:
@@ -118,8 +142,9 @@ def test_abort_mid_stream_after_rounds_leaks_nothing(servers):
     assert_healthy_and_exact(server)
 
 
-def test_radix_prefix_reused_under_rounds_is_never_freed(servers):
-    server = servers["lethe"]
+@pytest.mark.parametrize("name", ["lethe", "layers"])
+def test_radix_prefix_reused_under_rounds_is_never_freed(servers, name):
+    server = servers[name]
     prefix = " ".join([STORY] * 4)  # about 80 tokens: finishes under the threshold, no holes
     first = generate(server, prefix, 8)
     assert not rounds_of(server, first["meta_info"]["id"])  # inserted whole into the tree

@@ -7,8 +7,8 @@ import pytest
 import torch
 from kernel_cases import DEVICE, OUT_TOL, make_batch
 from sglang_ext.kernels.rasr import (
-    gather_retained_slots, pool_neighbours, retained_decode, retained_decode_ref,
-    shared_retained_decode, window_scores,
+    gather_retained_slots, pool_neighbours, retained_decode_ref, shared_retained_decode,
+    shared_retained_decode_ref, window_scores,
 )
 from sglang_ext.kernels.selection_attention import selection_attention_ref
 
@@ -29,19 +29,35 @@ def retained_state(batch, lists, num_rows):
     return positions.to(DEVICE), count.to(DEVICE), scores.to(DEVICE)
 
 
-def run_both(dtype, lists, gamma=0.9):
+def rows_table(batch, positions, count):
+    """Per-layer memory's table: each request slot's list of KV rows (here its retained
+    positions' slots), by request slot."""
+    table = batch["req_to_token"].gather(1, positions.long().clamp(max=MAX_CONTEXT - 1))
+    return table.to(torch.int32), count
+
+
+def run_both(dtype, lists, gamma=0.9, state_rows=None, extra_rows=0):
+    """The kernel over a table of rows by request slot (per-layer memory's decode) against the
+    torch path through the positions (the oracle chain: both name the same KV)."""
     batch, sm_scale = make_batch(dtype, seq_lens=SEQ_LENS, max_context=MAX_CONTEXT)
     num_rows = batch["req_to_token"].shape[0]
-    positions, count, scores = retained_state(batch, lists, num_rows)
+    positions, count, scores = retained_state(batch, lists, num_rows + extra_rows)
+    if extra_rows:
+        count[num_rows:] = 0  # the trash row padded entries point at
+        batch["req_to_token"] = torch.cat(
+            [batch["req_to_token"], batch["req_to_token"][:extra_rows]]
+        )  # fmt: skip
+    rows = batch["req_pool_indices"].long() if state_rows is None else state_rows
+    table, _ = rows_table(batch, positions, count)
     scores_ref, before = scores.clone(), scores.clone()
     logits = torch.empty(len(SEQ_LENS), batch["q"].shape[1], MAX_CONTEXT, device=DEVICE)
-    out = retained_decode(
-        **batch, positions=positions, count=count, scores=scores, sm_scale=sm_scale,
-        gamma=gamma, logits=logits,
+    out = shared_retained_decode(
+        batch["q"], batch["k_buffer"], batch["v_buffer"], table, rows, count[rows], scores, rows,
+        sm_scale, gamma, logits,
     )  # fmt: skip
     out_ref = retained_decode_ref(
         **batch, positions=positions, count=count, scores=scores_ref, sm_scale=sm_scale,
-        gamma=gamma,
+        gamma=gamma, state_rows=rows,
     )  # fmt: skip
     return batch, before, (out, scores), (out_ref, scores_ref)
 
@@ -72,22 +88,37 @@ def test_retained_lists_match_reference_and_scores_accumulate(dtype):
 def test_rows_outside_the_batch_and_padding_are_untouched():
     batch, sm_scale = make_batch(torch.float16, seq_lens=SEQ_LENS, max_context=MAX_CONTEXT)
     num_rows = batch["req_to_token"].shape[0]
-    lists = [list(range(n)) for n in SEQ_LENS]
-    positions, count, scores = retained_state(batch, lists, num_rows + 1)
-    count[num_rows] = 0  # the trash row padded entries point at
-    before = scores.clone()
-    state_rows = batch["req_pool_indices"].clone()
+    state_rows = batch["req_pool_indices"].long().clone()
     state_rows[1] = num_rows  # entry 1 plays CUDA-graph padding
-    logits = torch.empty(len(SEQ_LENS), batch["q"].shape[1], MAX_CONTEXT, device=DEVICE)
-    out = retained_decode(
-        **batch, positions=positions, count=count, scores=scores, sm_scale=sm_scale,
-        gamma=0.9, logits=logits, state_rows=state_rows,
-    )  # fmt: skip
+    lists = [list(range(n)) for n in SEQ_LENS]
+    batch, before, (out, scores), (out_ref, scores_ref) = run_both(
+        torch.float16, lists, state_rows=state_rows, extra_rows=1
+    )
     touched = set(state_rows.tolist()) - {num_rows}
     for row in range(num_rows + 1):
         if row not in touched:
             assert torch.equal(scores[row], before[row]), row
     assert torch.count_nonzero(out[1]) == 0
+    torch.testing.assert_close(out, out_ref, **OUT_TOL[torch.float16])
+
+
+def test_the_table_reference_is_the_positions_reference_over_the_same_rows():
+    batch, sm_scale = make_batch(torch.float32, seq_lens=SEQ_LENS, max_context=MAX_CONTEXT)
+    lists = [[0, 4], [0, 1, 2, 3, 20, 30, 36], [0, 1, *range(40, 70)]]
+    num_rows = batch["req_to_token"].shape[0]
+    positions, count, scores = retained_state(batch, lists, num_rows)
+    table, _ = rows_table(batch, positions, count)
+    rows = batch["req_pool_indices"].long()
+    scores_ref = scores.clone()
+    out = shared_retained_decode_ref(
+        batch["q"], batch["k_buffer"], batch["v_buffer"], table, rows, count[rows], scores, rows,
+        sm_scale, 0.5,
+    )  # fmt: skip
+    out_ref = retained_decode_ref(
+        **batch, positions=positions, count=count, scores=scores_ref, sm_scale=sm_scale, gamma=0.5
+    )  # fmt: skip
+    torch.testing.assert_close(out, out_ref)
+    torch.testing.assert_close(scores, scores_ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -144,6 +144,27 @@ def test_the_batched_union_under_the_cap_is_left_alone():
     assert torch.nonzero(union).flatten().tolist() == [0, 5, 9]
 
 
+def test_each_layer_is_capped_alone_by_its_own_scores_with_sink_and_recent_kept():
+    """Per-layer memory: a layer over the cap keeps its sinks, its most recent kept entries and
+    then its best; a layer under it is left alone."""
+    policy = Lethe(max_kv_ratio=0.3, recent_ratio=0.3, sink_tokens=2)
+    length = 40
+    positions = torch.arange(length).repeat(3, 1)
+    scores = torch.full((3, length), 1e-3)
+    scores[0, [7, 19, 25]] = 1.0
+    scores[1, [8, 9]] = 1.0
+    keep = torch.ones(3, length, dtype=torch.bool)
+    keep[1, 30:] = False  # its last kept entry is position 29
+    keep[2, 5:] = False  # 5 entries: under the cap
+    capped = policy.cap_layers(positions, scores, keep, length)
+    cap, recent = 12, 4  # 0.3 x 40; 0.3 x 12 rounded up
+    first, second = positions[0][capped[0]].tolist(), positions[1][capped[1]].tolist()
+    assert len(first) == len(second) == cap
+    assert {0, 1, 7, 19, 25, *range(length - recent, length)} <= set(first)
+    assert {0, 1, 8, 9, *range(30 - recent, 30)} <= set(second) and max(second) == 29
+    assert torch.equal(capped[2], keep[2])
+
+
 def test_a_step_attends_to_all_until_the_threshold_then_to_what_a_round_leaves():
     policy = Lethe(evict_threshold=1024, max_kv_ratio=0.3)
     assert policy.attended_tokens(1000, num_layers=28) == 1000

@@ -59,6 +59,8 @@ def _register(policy: KVPolicy) -> None:
     steps.register(hooks)
     if policy.evicts():
         memory.register(hooks)
+    if policy.pools_layer_rows():
+        memory.register_layer_pool(hooks)
     logger.info("sglang_ext: %d SGLang hooks registered for policy %s", len(_registered), policy.name)
 
 

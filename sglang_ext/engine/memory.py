@@ -18,6 +18,11 @@
   still grow by up to that. SGLang's own reservation logic is kept: only the counts change.
 - **Decode memory**: when the next decode step does not fit, the runtime frees what it can
   (``relieve_memory``: Lethe's rounds now) before SGLang retracts anything.
+- **One buffer for the pool's layers** (``KVPolicy.pools_layer_rows``: Lethe's per-layer memory):
+  ``MHATokenToKVPool`` allocates each layer's K (and V) separately; it is made to allocate them
+  as one [layers, slots, heads, dim] tensor whose per-layer views it keeps, so a row of any layer
+  is addressable from every layer's decode (``sglang_ext.eviction``). Same bytes, same layout
+  per layer; only the plain token-major layout is supported, anything else stops the engine.
 """
 
 from __future__ import annotations
@@ -107,6 +112,24 @@ def relieve_before_retracting(check, batch, *args, **kwargs):
     return freed > 0 and check(batch, *args, **kwargs)
 
 
+def layers_in_one_buffer(create_buffers, pool, *args, **kwargs):
+    import torch
+    from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
+
+    layout = getattr(pool, "kv_cache_layout", None)
+    if pool.use_hnd or layout == "vectorized_5d" or pool.enable_custom_mem_pool:
+        raise targets.EngineAdapterError(
+            f"per-layer KV memory needs the token-major KV layout without a custom memory pool; "
+            f"this pool has layout {layout!r}, head-major {pool.use_hnd}, custom pool "
+            f"{pool.enable_custom_mem_pool}"
+        )
+    k_shape, v_shape = pool._kv_buffer_shapes()
+    with pool.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):
+        keys = torch.zeros((pool.layer_num, *k_shape), dtype=pool.store_dtype, device=pool.device)
+        values = torch.zeros((pool.layer_num, *v_shape), dtype=pool.store_dtype, device=pool.device)
+    pool.k_buffer, pool.v_buffer = list(keys.unbind(0)), list(values.unbind(0))
+
+
 def register(hooks) -> None:
     from sglang.srt.plugins.hook_registry import HookType
 
@@ -115,3 +138,9 @@ def register(hooks) -> None:
     hooks.register(targets.CACHE_UNFINISHED, keep_prompt_own, HookType.AROUND)
     hooks.register(targets.PREFILL_ADDER, budget_prefill_adder(), HookType.REPLACE)
     hooks.register(targets.CHECK_DECODE_MEM, relieve_before_retracting, HookType.AROUND)
+
+
+def register_layer_pool(hooks) -> None:
+    from sglang.srt.plugins.hook_registry import HookType
+
+    hooks.register(targets.KV_POOL_BUFFERS, layers_in_one_buffer, HookType.AROUND)

@@ -1,0 +1,116 @@
+"""Per-layer KV memory in SGLang's one-slot-per-token pool (Lethe's per-layer lists).
+
+SGLang gives a token one slot, and the slot one row in every layer's K and V buffers. When layers
+keep different tokens, a slot freed only once no layer keeps its token makes memory follow the
+union of the layers' retained sets. Here a layer's retained entry is instead a *row*: any layer's
+row of a slot its request holds (``global row = buffer layer * slots + slot``, the pool's layers
+being one buffer: ``sglang_ext.engine.memory``), so after a round the request's kept entries of
+all layers are packed into as few of its slots as hold them, ``ceil(sum of the layers' retained
+entries / layers)``, and the rest go back to the pool. A layer's decode reads its entries' rows
+through the whole-pool view (``pooled_buffers``).
+
+Packing moves as little as it can: the slots that already hold the most kept entries stay, and
+only entries in the slots given back are copied, into the free rows of the slots that stay
+(source and destination rows never overlap). Radix-owned slots (a shared prefix) are never
+packed into, moved out of, or freed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+class PoolLayoutError(RuntimeError):
+    """The KV pool's layers are not one buffer, so a row of one is not addressable from another."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PooledBuffers:
+    """Every layer's K and V rows as one [layers * slots, heads, dim] view each."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    slots: int  # rows per layer: global row = layer * slots + slot
+
+
+def pooled_buffers(kv_pool, num_layers: int) -> PooledBuffers:
+    """The whole-pool views of ``kv_pool``'s per-layer buffers, which must be consecutive views of
+    one tensor each (else PoolLayoutError)."""
+    views = []
+    for get in (kv_pool.get_key_buffer, kv_pool.get_value_buffer):
+        layers = [get(layer) for layer in range(num_layers)]
+        first = layers[0]
+        size = first.numel() * first.element_size()
+        consecutive = all(
+            buf.shape == first.shape
+            and buf.is_contiguous()
+            and buf.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            and buf.data_ptr() == first.data_ptr() + layer * size
+            for layer, buf in enumerate(layers)
+        )
+        if not consecutive:
+            raise PoolLayoutError(
+                "per-layer KV memory needs the KV pool's layers in one buffer "
+                "(sglang_ext.engine.memory.layers_in_one_buffer did not allocate this pool)"
+            )
+        views.append(first.as_strided((num_layers * first.shape[0], *first.shape[1:]), first.stride()))
+    return PooledBuffers(views[0], views[1], kv_pool.get_key_buffer(0).shape[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """A round's outcome for one request's memory."""
+
+    freed: torch.Tensor  # int64 slots given back to the pool
+    moved: int  # entries copied to another row
+
+
+def pack_rows(
+    buffers: PooledBuffers,
+    entries: torch.Tensor,
+    stays: torch.Tensor,
+    req_slots: torch.Tensor,
+    protected_len: int,
+    hole_slot: int,
+) -> Packing:
+    """Pack one request's kept entries into as few of its own slots as hold them.
+
+    ``entries`` [layers, n] int32: each list entry's global row, rewritten in place for the entries
+    that move; ``stays`` [layers, n] bool: which entries the round keeps (the others are dropped);
+    ``req_slots``: the request's ``req_to_token`` row over the positions the round covers, whose
+    given-back slots become ``hole_slot`` in place; its first ``protected_len`` positions are
+    radix-owned. K/V rows are copied on the device; a few host reads per round."""
+    num_layers = entries.shape[0]
+    device = entries.device
+    own_at = (req_slots != hole_slot).nonzero().squeeze(1)
+    own_at = own_at[own_at >= protected_len]
+    own_slots = req_slots[own_at].long()
+    if own_slots.numel() == 0:  # everything it holds is radix-owned
+        return Packing(own_slots, 0)
+    by_slot, order = torch.sort(own_slots)
+    slot_of = entries.long() % buffers.slots
+    found = torch.searchsorted(by_slot, slot_of).clamp(max=by_slot.numel() - 1)
+    is_own = stays & (by_slot[found] == slot_of)
+    own_index = order[found]  # entry -> index into own_slots (meaningful where is_own)
+    kept_per_slot = torch.zeros(own_slots.numel(), dtype=torch.int64, device=device)
+    kept_per_slot.index_add_(0, own_index[is_own], torch.ones_like(own_index[is_own]))
+    needed = -(-int(kept_per_slot.sum()) // num_layers)
+    stay_slot = torch.zeros(own_slots.numel(), dtype=torch.bool, device=device)
+    stay_slot[torch.topk(kept_per_slot, needed, sorted=False).indices] = True
+    movers = is_own & ~stay_slot[own_index]
+    settled = is_own & stay_slot[own_index]
+    # rows of the slots that stay, [buffer layer, slot that stays]: which hold a kept entry
+    rank = torch.cumsum(stay_slot.long(), 0) - 1
+    taken = torch.zeros(num_layers, needed, dtype=torch.bool, device=device)
+    taken[entries.long()[settled] // buffers.slots, rank[own_index[settled]]] = True
+    free_layer, free_rank = (~taken).nonzero(as_tuple=True)
+    staying_slots = own_slots[stay_slot]
+    sources = entries[movers].long()
+    targets = (free_layer * buffers.slots + staying_slots[free_rank])[: sources.numel()]
+    buffers.keys[targets] = buffers.keys[sources]
+    buffers.values[targets] = buffers.values[sources]
+    entries[movers] = targets.to(entries.dtype)
+    req_slots[own_at[~stay_slot]] = hole_slot
+    return Packing(own_slots[~stay_slot], int(sources.numel()))

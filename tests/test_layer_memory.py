@@ -1,0 +1,128 @@
+"""Lethe's per-layer memory on small tensors (CUDA where there is one: its compiled decode): a round packs each layer's kept entries into as
+few of the request's slots as hold them, every entry's row still holds its token's K/V, and the
+request's memory is the sum of its layers' lists (the engine runs are in test_engine_lethe)."""
+
+import dataclasses
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from kernel_cases import DEVICE
+from policy_cases import Cache
+from sglang_ext.layer_memory import PoolLayoutError, pooled_buffers
+from test_lethe_runtime import HOLE, Pool, runtime_for, step
+
+PER_LAYER = {"sparse_ratio": 1.5, "max_kv_ratio": 0.3}
+
+
+def rounded(cache, runtime, request, protected_len=0):
+    """Scores with a few salient tokens, different in every layer, then one round over all the
+    request holds. Returns the K/V each layer's kept positions had before it, and the pool."""
+    row, length = request.row, request.seq_len - 1
+    gen = torch.Generator().manual_seed(3)
+    runtime.scores[:, row, :length] = torch.rand(cache.num_layers, length, generator=gen) ** 8
+    slots = cache.req_to_token[row, :length].long().clone()
+    before = [(cache.keys[layer][slots].clone(), cache.values[layer][slots].clone())
+              for layer in range(cache.num_layers)]  # fmt: skip
+    pool = Pool()
+    runtime.prune(dataclasses.replace(request, protected_len=protected_len), length, pool.ops())
+    return before, pool
+
+
+def entries(runtime, row):
+    counts = runtime.count[:, row].tolist()
+    return [
+        (runtime.positions[layer, row, :n].long(), runtime.layer_rows[layer, row, :n].long())
+        for layer, n in enumerate(counts)
+    ]
+
+
+def test_the_pool_must_hold_its_layers_in_one_buffer():
+    cache = Cache(num_layers=3, device=DEVICE)
+    pooled = pooled_buffers(cache.context().kv_pool, 3)
+    assert pooled.slots == cache.SLOTS and pooled.keys.shape[0] == 3 * cache.SLOTS
+    assert torch.equal(pooled.values[2 * cache.SLOTS + 7], cache.values[2][7])
+    separate = SimpleNamespace(
+        get_key_buffer=[k.clone() for k in cache.keys].__getitem__,
+        get_value_buffer=cache.values.__getitem__,
+    )
+    with pytest.raises(PoolLayoutError, match="layers in one buffer"):
+        pooled_buffers(separate, 3)
+
+
+def test_a_round_packs_each_layers_entries_and_every_row_keeps_its_tokens_kv():
+    cache = Cache(num_layers=4, seq_lens=(300, 12), device=DEVICE)
+    runtime = runtime_for(cache, **PER_LAYER)
+    request = step(cache, runtime, 0)
+    row, length = request.row, request.seq_len - 1
+    before, pool = rounded(cache, runtime, request)
+    pooled = runtime.pooled
+
+    lists = entries(runtime, row)
+    cap = runtime.policy.round_cap(length)
+    rows_used = torch.cat([rows for _, rows in lists])
+    assert rows_used.unique().numel() == rows_used.numel()  # no two entries share a row
+    held = cache.req_to_token[row, :length]
+    held = held[held != HOLE].long()
+    assert held.numel() == math.ceil(rows_used.numel() / cache.num_layers)  # the sum, packed
+    assert set((rows_used % pooled.slots).tolist()) <= set(held.tolist())
+    for layer, (positions, rows) in enumerate(lists):
+        assert 0 < positions.numel() <= cap and torch.all(positions[1:] > positions[:-1])
+        keys, values = before[layer]
+        assert torch.equal(pooled.keys[rows], keys[positions])
+        assert torch.equal(pooled.values[rows], values[positions])
+    union = torch.cat([positions for positions, _ in lists]).unique().numel()
+    assert held.numel() < union  # the layers keep different tokens: less than their union
+    assert request.state.evicted == len(pool.freed) == length - held.numel()
+    assert not set(pool.freed) & set(held.tolist())
+    assert cache.req_to_token[2, :12].ne(HOLE).all()  # the other request is untouched
+
+
+def test_decode_after_a_round_attends_to_each_layers_kept_tokens():
+    cache = Cache(num_layers=3, seq_lens=(200, 12), device=DEVICE)
+    runtime = runtime_for(cache, **PER_LAYER)
+    request = step(cache, runtime, 0)
+    before, _ = rounded(cache, runtime, request)
+    runtime.prepare_decode(cache.batch)  # the next token, at the slot SGLang gave it
+    from sglang_ext.kernels.split_kv_decode import attend_positions_ref
+
+    for layer in range(cache.num_layers):
+        out = cache.decode(runtime.decode_fns[layer], layer).view(2, cache.Q_HEADS, cache.DIM)
+        positions, _ = entries(runtime, request.row)[layer]
+        past = positions[:-1]  # the last entry is the token just decoded
+        keys, values = before[layer]
+        k = torch.cat([keys[past], cache.new_k[:1]])
+        v = torch.cat([values[past], cache.new_v[:1]])
+        q = cache.q.view(2, cache.Q_HEADS, cache.DIM)[0]
+        expected, _ = attend_positions_ref(q, k, v, torch.arange(len(k)), 0.125)
+        torch.testing.assert_close(out[0], expected.to(out.dtype), **cache.tol)
+
+
+def test_radix_owned_slots_are_never_packed_into_moved_or_freed():
+    cache = Cache(num_layers=3, seq_lens=(200, 12), device=DEVICE)
+    runtime = runtime_for(cache, **PER_LAYER)
+    request = step(cache, runtime, 0)
+    protected = cache.req_to_token[request.row, :64].long().clone()
+    rows_before = [cache.keys[layer][protected].clone() for layer in range(3)]
+    _, pool = rounded(cache, runtime, request, protected_len=64)
+    assert torch.equal(cache.req_to_token[request.row, :64].long(), protected)
+    assert not set(pool.freed) & set(protected.tolist())
+    for layer in range(3):
+        assert torch.equal(cache.keys[layer][protected], rows_before[layer])
+        positions, rows = entries(runtime, request.row)[layer]
+        prefix = positions < 64
+        assert torch.equal(rows[prefix], layer * runtime.pooled.slots + protected[positions[prefix]])
+
+
+def test_later_rounds_keep_the_accounting_exact():
+    cache = Cache(num_layers=3, seq_lens=(300, 12), device=DEVICE)
+    runtime = runtime_for(cache, **PER_LAYER)
+    request = step(cache, runtime, 0)
+    rounded(cache, runtime, request)
+    freed_first = request.state.evicted
+    _, pool = rounded(cache, runtime, request)  # new scores: layers drop more
+    rows_used = sum(n for n in runtime.count[:, request.row].tolist())
+    held = int(cache.req_to_token[request.row, : request.seq_len - 1].ne(HOLE).sum())
+    assert held == math.ceil(rows_used / 3)
+    assert request.state.evicted == freed_first + len(pool.freed) == request.seq_len - 1 - held
