@@ -145,8 +145,10 @@ class LetheReads(FullReads):
 
         self._passage, self._next, self._pending = passage, self.prompt_len, None
         n = len(passage.ids)
-        by_slot = {layer: kv.transpose(0, 1).contiguous() for layer, kv in passage.keys.items()}
-        values = {layer: kv.transpose(0, 1).contiguous() for layer, kv in passage.values.items()}
+        # the layers in one buffer each, as the engine allocates them for per-layer memory
+        layers = range(self.num_layers)
+        by_slot = torch.stack([passage.keys[layer].transpose(0, 1) for layer in layers]).unbind(0)
+        values = torch.stack([passage.values[layer].transpose(0, 1) for layer in layers]).unbind(0)
         ctx = DecodeContext(
             num_layers=self.num_layers, base_decode=None, write_kv=None,
             kv_pool=SimpleNamespace(
@@ -189,7 +191,11 @@ class LetheReads(FullReads):
 
     def _batch(self, seq_len: int, **extra):
         rows, lens = torch.tensor([self.ROW]), torch.tensor([seq_len])
-        return SimpleNamespace(req_pool_indices=rows, seq_lens=lens, seq_lens_cpu=lens, **extra)
+        return SimpleNamespace(
+            req_pool_indices=rows, seq_lens=lens, seq_lens_cpu=lens,
+            out_cache_loc=lens - 1,  # the decoded token's slot: slots are positions here
+            **extra,
+        )  # fmt: skip
 
     def _layer(self, layer: int):
         heads, _, dim = self._passage.queries[layer].shape

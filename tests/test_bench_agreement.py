@@ -18,7 +18,8 @@ def values(model_path, tmp_path_factory) -> dict:
         "--model-path", str(model_path), "--lengths", "384", "--prompts-per-length", "1",
         "--positions-from", "256", "--stride", "32", "--budgets", "128,512", "--window", "64",
         "--lethe-ratios", "0.3", "--lethe-threshold", "64", "--variants",
-        "tidal:sink_tokens=0;lethe:max_kv_ratio=1.0", "--per-kv-head",
+        "tidal:sink_tokens=0;lethe:max_kv_ratio=1.0;lethe:sparse_ratio=2.0,max_kv_ratio=1.0;"
+        "lethe:sparse_ratio=2.0,max_kv_ratio=1.0,pack_layers=false", "--per-kv-head",
         "--out-dir", str(out), "--results-md", str(out / "RESULTS.md"),
     ])  # fmt: skip
     (rows_path,) = out.glob("agreement-*.json")
@@ -64,6 +65,16 @@ def test_variants_are_measured_beside_the_defaults(values):
     # Lethe without a cap (and, by default, without per-layer breakpoints): full attention
     union = "lethe[max_kv_ratio=1.0]"
     assert values[union, "kv_kept_fraction"] == 1.0 and values[union, "kl_nats"] < 1e-6
+
+
+def test_per_layer_memory_holds_less_than_the_union_under_the_same_rule(values):
+    """The paper's per-layer rule uncapped, its lists packed into shared slots or freed by the
+    union: packed, a request holds the sum of the lists, so it holds less and its rounds (due by
+    what it holds) come later; what the layers read is as close to full attention."""
+    packed = "lethe[sparse_ratio=2.0,max_kv_ratio=1.0]"
+    union = "lethe[sparse_ratio=2.0,max_kv_ratio=1.0,pack_layers=false]"
+    assert values[packed, "kv_kept_fraction"] < 0.9 * values[union, "kv_kept_fraction"]
+    assert 1e-4 < values[packed, "kl_nats"] < 1.5 * values[union, "kl_nats"]
 
 
 def test_a_selection_per_kv_head_reads_what_its_own_query_group_chose(values):
