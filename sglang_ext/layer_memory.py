@@ -105,12 +105,35 @@ def pack_rows(
     rank = torch.cumsum(stay_slot.long(), 0) - 1
     taken = torch.zeros(num_layers, needed, dtype=torch.bool, device=device)
     taken[entries.long()[settled] // buffers.slots, rank[own_index[settled]]] = True
-    free_layer, free_rank = (~taken).nonzero(as_tuple=True)
+    targets = _free_rows_for(movers, taken) if needed else torch.zeros_like(slot_of)
     staying_slots = own_slots[stay_slot]
     sources = entries[movers].long()
-    targets = (free_layer * buffers.slots + staying_slots[free_rank])[: sources.numel()]
-    buffers.keys[targets] = buffers.keys[sources]
-    buffers.values[targets] = buffers.values[sources]
-    entries[movers] = targets.to(entries.dtype)
+    layer, column = targets[movers] // max(needed, 1), targets[movers] % max(needed, 1)
+    destinations = layer * buffers.slots + staying_slots[column]
+    buffers.keys[destinations] = buffers.keys[sources]
+    buffers.values[destinations] = buffers.values[sources]
+    entries[movers] = destinations.to(entries.dtype)
     req_slots[own_at[~stay_slot]] = hole_slot
     return Packing(own_slots[~stay_slot], int(sources.numel()))
+
+
+def _free_rows_for(movers: torch.Tensor, taken: torch.Tensor) -> torch.Tensor:
+    """A free row (``layer * columns + column`` of ``taken`` [layers, columns], False: free) for
+    every mover ([layers, n] bool, by the layer whose list holds it), its own layer's rows
+    first: a layer's decode then reads rows of its own buffer, as before the round, wherever
+    they suffice (always when the layers keep equally many). The rest take the rows left over,
+    in order. Meaningful where ``movers``."""
+    layers, columns = taken.shape
+    free = ~taken
+    free_columns = torch.argsort(taken.to(torch.int8), dim=1, stable=True)  # free ones first
+    free_count, mover_count = free.sum(1, keepdim=True), movers.sum(1, keepdim=True)
+    mover_rank = torch.cumsum(movers.long(), 1) - 1
+    at_home = movers & (mover_rank < free_count)
+    home_column = free_columns.gather(1, mover_rank.clamp(0, columns - 1))
+    layer = torch.arange(layers, device=taken.device)[:, None]
+    targets = torch.where(at_home, layer * columns + home_column, 0)
+    left = free & (torch.cumsum(free.long(), 1) - 1 >= torch.minimum(mover_count, free_count))
+    spare = left.flatten().nonzero().squeeze(1)
+    away = movers & ~at_home
+    targets[away] = spare[: int(away.sum())]
+    return targets

@@ -51,9 +51,10 @@ def test_the_pool_must_hold_its_layers_in_one_buffer():
         pooled_buffers(separate, 3)
 
 
-def test_a_round_packs_each_layers_entries_and_every_row_keeps_its_tokens_kv():
+@pytest.mark.parametrize("cap", [0.3, 1.0])  # capped: equally many per layer; 1.0: the rule's own
+def test_a_round_packs_each_layers_entries_and_every_row_keeps_its_tokens_kv(cap):
     cache = Cache(num_layers=4, seq_lens=(300, 12), device=DEVICE)
-    runtime = runtime_for(cache, **PER_LAYER)
+    runtime = runtime_for(cache, **{**PER_LAYER, "max_kv_ratio": cap})
     request = step(cache, runtime, 0)
     row, length = request.row, request.seq_len - 1
     before, pool = rounded(cache, runtime, request)
@@ -72,6 +73,9 @@ def test_a_round_packs_each_layers_entries_and_every_row_keeps_its_tokens_kv():
         keys, values = before[layer]
         assert torch.equal(pooled.keys[rows], keys[positions])
         assert torch.equal(pooled.values[rows], values[positions])
+    if len({positions.numel() for positions, _ in lists}) == 1:  # equally many in every layer
+        for layer, (_, rows) in enumerate(lists):  # so every layer reads its own buffer still
+            assert bool((rows // pooled.slots == layer).all()), layer
     union = torch.cat([positions for positions, _ in lists]).unique().numel()
     assert held.numel() < union  # the layers keep different tokens: less than their union
     assert request.state.evicted == len(pool.freed) == length - held.numel()
