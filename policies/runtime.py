@@ -70,6 +70,9 @@ class RequestReport:
     held: int  # KV tokens it holds
     evicted: int  # freed so far
     attended: float  # tokens attended this step, mean over layers
+    # entries each layer's list holds, where layers keep lists of their own (Lethe's per-layer
+    # memory); None where every layer attends alike
+    held_per_layer: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass

@@ -11,6 +11,8 @@ tile counts are accumulated by its kernel on the device and copied back without 
 
 The running requests' series (KV held, logical tokens, tokens attended) are labelled by the policy
 each request decodes under (``full`` for one that opted out), the rest by the served policy.
+Where layers keep lists of their own (Lethe's per-layer memory), ``retained_kv_entries_per_layer``
+sums the entries each layer's lists hold over the running requests, labelled by ``layer``.
 
 Under parallelism the series carry SGLang's own labels, ``tp_rank`` and (data parallelism)
 ``dp_rank``: each data-parallel worker reports its requests; within a worker the first
@@ -118,8 +120,14 @@ class RequestSeries:
             "tokens one request attends to per decode step, mean over layers", names,
             buckets=_TOKEN_BUCKETS,
         )
+        self._per_layer = Gauge(
+            f"{PREFIX}retained_kv_entries_per_layer",
+            "KV entries each layer's lists hold over the running requests (per-layer memory)",
+            labelnames=[*names, "layer"], multiprocess_mode="mostrecent",
+        )  # fmt: skip
         self.worker = worker
         self._by_policy: dict[str, tuple] = {}  # name -> its (retained, logical, attended) children
+        self._layer_gauges: list = []  # the per-layer children, made on first use
 
     def _children(self, policy_name: str) -> tuple:
         if policy_name not in self._by_policy:
@@ -139,6 +147,16 @@ class RequestSeries:
             retained_gauge, logical_gauge, _ = self._children(name)
             retained_gauge.set(retained)
             logical_gauge.set(logical)
+        layered = [r for r in reports if r.held_per_layer is not None]
+        if layered and not self._layer_gauges:  # one policy keeps per-layer lists (Lethe's)
+            labels = self.worker.labels(layered[0].policy)
+            self._layer_gauges = [
+                self._per_layer.labels(**labels, layer=str(layer))
+                for layer in range(len(layered[0].held_per_layer))
+            ]
+        totals = [sum(column) for column in zip(*(r.held_per_layer for r in layered))]
+        for layer, gauge in enumerate(self._layer_gauges):  # no such request running: 0
+            gauge.set(totals[layer] if totals else 0)
 
 
 class PolicyMetrics:

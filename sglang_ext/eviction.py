@@ -56,6 +56,7 @@ class LetheRequest:
 
     threshold: int  # L_evict: a round runs once the retained KV passes it
     retained_per_layer: list[int] = dataclasses.field(default_factory=list)  # after the last round
+    round_length: int = 0  # the positions the last round covered (each step appends one more)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,9 +199,19 @@ class LetheRuntime(PolicyRuntime):
 
     def report(self, request: StepRequest, extend: bool):
         report = super().report(request, extend)
-        if request.state.evicts and not extend:
+        if not request.state.evicts or extend:
+            return report
+        if self.layer_rows is None:
             return dataclasses.replace(report, attended=float(report.held))
-        return report
+        lethe = request.state.policy_state
+        since = request.seq_len - lethe.round_length  # tokens every list gained since the round
+        per_layer = (
+            tuple(n + since for n in lethe.retained_per_layer)
+            if lethe.retained_per_layer else (request.seq_len,) * self.ctx.num_layers
+        )  # fmt: skip
+        return dataclasses.replace(
+            report, attended=sum(per_layer) / len(per_layer), held_per_layer=per_layer
+        )
 
     def _decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         from sglang_ext.kernels import rasr
@@ -320,7 +331,7 @@ class LetheRuntime(PolicyRuntime):
         shrinks = [LayerShrink(None, s if f else None) for f, s in zip(found, salient_plus_recent)]
         state.evicted += freed.numel()
         state.rounds += 1
-        lethe.retained_per_layer = per_layer
+        lethe.retained_per_layer, lethe.round_length = per_layer, length
         retained = length - state.evicted
         lethe.threshold = own.next_threshold(lethe.threshold, shrinks, retained, length)
         self.stats.rounds += 1

@@ -32,7 +32,7 @@ SERVERS = {
     # per-layer lists (the paper's rule) with per-layer memory: each layer keeps its own tokens
     "layers": (
         {"evict_threshold": THRESHOLD, "max_kv_ratio": MAX_KV_RATIO, "sparse_ratio": 2.0},
-        ["--max-total-tokens", "16384"],
+        ["--max-total-tokens", "16384", "--enable-metrics"],
     ),
     # pools too small for 4 requests x 325 tokens at their full length (3 at 256: 768 > 700)
     "admit": ({"evict_threshold": 256}, ["--max-total-tokens", "800"]),
@@ -121,6 +121,17 @@ def test_per_layer_memory_holds_the_sum_of_the_layers_lists(servers):
     last_per_layer = [int(n) for n in rounds[-1][9].split(",")]
     assert int(rounds[-1][7]) < max(last_per_layer)  # less than a slot per token any layer keeps
     assert out["meta_info"]["completion_tokens"] == 300
+    # /metrics: each layer's entries at the last step, its list after the last round plus the
+    # tokens decoded since (every layer appends each)
+    per_layer = {
+        int(layer): float(value) for layer, value in re.findall(
+            r'^sglang_ext:retained_kv_entries_per_layer{[^}]*layer="(\d+)"[^}]*} ([0-9.e+-]+)$',
+            server.metrics(), re.M,
+        )
+    }  # fmt: skip
+    assert sorted(per_layer) == list(range(len(last_per_layer)))
+    since = {per_layer[layer] - kept for layer, kept in enumerate(last_per_layer)}
+    assert len(since) == 1 and 0 < since.pop() <= THRESHOLD
     assert_healthy_and_exact(server)
 
 
