@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
         params = run.params or {}
         lines.append(
             f"| {run.policy} | {params.get('sparse_ratio', '–')} | "
-            f"{params.get('recent_ratio', '–')} | {_memory(params)} | {_fmt(m['kv_kept_frac'])} | "
+            f"{params.get('recent_ratio', '–')} | {_memory(params)} | "
+            f"{_fmt(m['kv_kept_frac'])} | "
             f"{_fmt(m['lookup_accuracy_full_passed'])} | "
             f"{m['greedy_identical_prefix_tokens']:.1f} | {m['greedy_token_match_frac']:.3f} |"
         )

@@ -172,10 +172,8 @@ def shared_retained_decode_ref(
         if n == 0:
             continue
         slots = slot_table[table_row, :n].long()
-        out_b, logits = attend_positions_ref(q[b], k_buffer, v_buffer, slots, sm_scale)
-        out[b] = out_b.to(q.dtype)
-        received = torch.softmax(logits, dim=-1).sum(dim=0)
-        scores[state_row, :n] = gamma * scores[state_row, :n] + received
+        kept_scores = scores[state_row, :n]
+        out[b] = _attend_and_score(q[b], k_buffer, v_buffer, slots, sm_scale, kept_scores, gamma)
     return out
 
 
@@ -203,14 +201,18 @@ def retained_decode_ref(
         n = int(count[row])
         if n == 0:
             continue
-        kept = positions[row, :n].long()
-        out_b, logits = attend_positions_ref(
-            q[b], k_buffer, v_buffer, req_to_token[slots_row, kept].long(), sm_scale
-        )
-        out[b] = out_b.to(q.dtype)
-        received = torch.softmax(logits, dim=-1).sum(dim=0)
-        scores[row, :n] = gamma * scores[row, :n] + received
+        slots = req_to_token[slots_row, positions[row, :n].long()].long()
+        kept_scores = scores[row, :n]
+        out[b] = _attend_and_score(q[b], k_buffer, v_buffer, slots, sm_scale, kept_scores, gamma)
     return out
+
+
+def _attend_and_score(q, k_buffer, v_buffer, slots, sm_scale: float, scores, gamma: float):
+    """One request's attention over ``slots`` (fp32) and its RASR update of ``scores`` (a view of
+    its entries' scores, in place); the output in q's dtype."""
+    out, logits = attend_positions_ref(q, k_buffer, v_buffer, slots, sm_scale)
+    scores.mul_(gamma).add_(torch.softmax(logits, dim=-1).sum(dim=0))
+    return out.to(q.dtype)
 
 
 def window_scores(

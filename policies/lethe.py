@@ -22,9 +22,9 @@ and leaves the paper's rule alone. Without per-layer lists the cap cuts the one 
 is cut to the cap (``cap_layers``), and a request holds ``ceil(sum of its layers' entries /
 layers)`` slots, its kept entries packed into the rows of those slots, whatever the layers keep
 in common (``pack_layers``; False frees a slot only once no layer keeps its token, the union
-capped as without per-layer lists). Layers whose attention is flat find no breakpoint and keep everything (on SmolLM2 the
-first layers do), so the cap still bounds them. The engine side lives in
-``sglang_ext.eviction``.
+capped as without per-layer lists). Layers whose attention is flat find no breakpoint and keep
+everything (on SmolLM2 the first layers do), so the cap still bounds them. The engine side lives
+in ``sglang_ext.eviction``.
 
 Breakpoint: the paper's text reads "first cut where v_top[0] / v_top[cut] <= tau", which holds at
 the first cut for any but the steepest scores and would make a larger tau prune *more*; its

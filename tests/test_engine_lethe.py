@@ -72,6 +72,11 @@ def rounds_of(server, rid):
     return [m for m in ROUND.finditer(server.log()) if m[2] == rid]
 
 
+def round_numbers(m):
+    """positions, freed, available before, after, retained, radix-owned of a round's log line."""
+    return map(int, m.groups()[2:8])
+
+
 def assert_healthy_and_exact(server):
     """Idle, alive, and SGLang's strict KV checks never fired (they raise in the scheduler)."""
     server.wait_idle()
@@ -85,7 +90,7 @@ def test_rounds_return_slots_and_keep_retained_kv_under_budget(servers):
     rounds = rounds_of(server, out["meta_info"]["id"])
     assert len(rounds) >= 2, server.log()[-3000:]
     for m in rounds:
-        positions, freed, before, after, retained, radix_owned = map(int, m.groups()[2:8])
+        positions, freed, before, after, retained, radix_owned = round_numbers(m)
         assert after == before + freed  # the allocator's free size grew by what the round freed
         assert retained <= math.ceil(MAX_KV_RATIO * positions) + radix_owned
     assert sum(int(m[4]) for m in rounds) > 0
@@ -112,7 +117,7 @@ def test_per_layer_memory_holds_the_sum_of_the_layers_lists(servers):
     rounds = rounds_of(server, out["meta_info"]["id"])
     assert len(rounds) >= 2, server.log()[-3000:]
     for m in rounds:
-        positions, freed, before, after, retained, radix_owned = map(int, m.groups()[2:8])
+        positions, freed, before, after, retained, radix_owned = round_numbers(m)
         per_layer = [int(n) for n in m[9].split(",")]
         assert radix_owned == 0 and after == before + freed
         # each layer at most the cap; the request's slots hold the layers' entries packed
