@@ -293,3 +293,6 @@ class MixRuntime(PolicyRuntime):
     # reports ----------------------------------------------------------------------------------
     def report(self, request: StepRequest, extend: bool) -> RequestReport:
         return self.member_of(request.state).report(request, extend)
+
+    def held_per_layer(self, request: StepRequest) -> tuple[int, ...] | None:
+        return self.member_of(request.state).held_per_layer(request)

@@ -70,9 +70,6 @@ class RequestReport:
     held: int  # KV tokens it holds
     evicted: int  # freed so far
     attended: float  # tokens attended this step, mean over layers
-    # entries each layer's list holds, where layers keep lists of their own (Lethe's per-layer
-    # memory); None where every layer attends alike
-    held_per_layer: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass
@@ -183,6 +180,11 @@ class PolicyRuntime:
             attended = state.policy.attended_tokens(request.seq_len, self.ctx.num_layers)
         name = FULL if state.policy is None else self.policy.name
         return RequestReport(name, held, state.evicted, attended)
+
+    def held_per_layer(self, request: StepRequest) -> tuple[int, ...] | None:
+        """The entries each layer's list holds after the step, where layers keep lists of their
+        own (Lethe's per-layer memory); None where every layer attends alike. For metrics."""
+        return None
 
     def _request_values(self, requests: list[StepRequest]):
         if self.ctx.request_values is None or not requests:

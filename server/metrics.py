@@ -136,7 +136,9 @@ class RequestSeries:
             self._by_policy[policy_name] = tuple(metric.labels(**labels) for metric in series)
         return self._by_policy[policy_name]
 
-    def observe(self, step: list[StepRequest], reports: list[RequestReport]) -> None:
+    def observe(
+        self, runtime: PolicyRuntime, step: list[StepRequest], reports: list[RequestReport]
+    ) -> None:
         sums = {name: [0, 0] for name in self._by_policy}  # a policy now idle drops to 0
         for request, report in zip(step, reports, strict=True):
             self._children(report.policy)[2].observe(report.attended)
@@ -147,14 +149,17 @@ class RequestSeries:
             retained_gauge, logical_gauge, _ = self._children(name)
             retained_gauge.set(retained)
             logical_gauge.set(logical)
-        layered = [r for r in reports if r.held_per_layer is not None]
+        layered = [
+            (report.policy, held) for request, report in zip(step, reports, strict=True)
+            if (held := runtime.held_per_layer(request)) is not None
+        ]  # fmt: skip
         if layered and not self._layer_gauges:  # one policy keeps per-layer lists (Lethe's)
-            labels = self.worker.labels(layered[0].policy)
+            labels = self.worker.labels(layered[0][0])
             self._layer_gauges = [
                 self._per_layer.labels(**labels, layer=str(layer))
-                for layer in range(len(layered[0].held_per_layer))
+                for layer in range(len(layered[0][1]))
             ]
-        totals = [sum(column) for column in zip(*(r.held_per_layer for r in layered))]
+        totals = [sum(column) for column in zip(*(held for _, held in layered))]
         for layer, gauge in enumerate(self._layer_gauges):  # no such request running: 0
             gauge.set(totals[layer] if totals else 0)
 
@@ -188,7 +193,7 @@ class PolicyMetrics:
         self, runtime: PolicyRuntime, step: list[StepRequest], reports: list[RequestReport]
     ) -> None:
         started = time.perf_counter()
-        self.requests.observe(step, reports)
+        self.requests.observe(runtime, step, reports)
         stats = runtime.stats
         self.rounds.inc(stats.rounds - self._seen.rounds)
         self.evicted.inc(stats.freed_slots - self._seen.freed_slots)

@@ -201,17 +201,21 @@ class LetheRuntime(PolicyRuntime):
         report = super().report(request, extend)
         if not request.state.evicts or extend:
             return report
-        if self.layer_rows is None:
-            return dataclasses.replace(report, attended=float(report.held))
         lethe = request.state.policy_state
+        if self.layer_rows is None or not lethe.retained_per_layer:
+            return dataclasses.replace(report, attended=float(report.held))
         since = request.seq_len - lethe.round_length  # tokens every list gained since the round
-        per_layer = (
-            tuple(n + since for n in lethe.retained_per_layer)
-            if lethe.retained_per_layer else (request.seq_len,) * self.ctx.num_layers
-        )  # fmt: skip
-        return dataclasses.replace(
-            report, attended=sum(per_layer) / len(per_layer), held_per_layer=per_layer
-        )
+        mean = sum(lethe.retained_per_layer) / len(lethe.retained_per_layer)
+        return dataclasses.replace(report, attended=mean + since)
+
+    def held_per_layer(self, request: StepRequest) -> tuple[int, ...] | None:
+        if self.layer_rows is None or not request.state.evicts:
+            return None
+        lethe = request.state.policy_state
+        if not lethe.retained_per_layer:  # no round yet: every layer holds all
+            return (request.seq_len,) * self.ctx.num_layers
+        since = request.seq_len - lethe.round_length
+        return tuple(n + since for n in lethe.retained_per_layer)
 
     def _decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         from sglang_ext.kernels import rasr

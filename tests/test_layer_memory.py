@@ -132,17 +132,16 @@ def test_later_rounds_keep_the_accounting_exact():
     assert request.state.evicted == freed_first + len(pool.freed) == request.seq_len - 1 - held
 
 
-def test_the_report_counts_each_layers_entries_and_attends_their_mean():
+def test_each_layers_entries_are_counted_and_a_step_attends_their_mean():
     cache = Cache(num_layers=3, seq_lens=(300, 12), device=DEVICE)
     runtime = runtime_for(cache, **PER_LAYER)
     request = step(cache, runtime, 0)
-    before = runtime.report(request, extend=False)
-    assert before.held_per_layer == (300, 300, 300)  # no round yet: every layer holds all
+    assert runtime.held_per_layer(request) == (300, 300, 300)  # no round yet: every layer all
     rounded(cache, runtime, request)  # over the 299 positions before the token being decoded
     runtime.prepare_decode(cache.batch)
     counts = runtime.count[:, request.row].tolist()
+    assert runtime.held_per_layer(request) == tuple(counts)
     report = runtime.report(request, extend=False)
-    assert report.held_per_layer == tuple(counts)
     assert report.attended == sum(counts) / 3 and report.held == 300 - request.state.evicted
     default = runtime_for(Cache(num_layers=3, device=DEVICE))  # one list for every layer
-    assert default.report(step(cache, default, 0), extend=False).held_per_layer is None
+    assert default.held_per_layer(step(cache, default, 0)) is None
