@@ -372,5 +372,5 @@ class LetheRuntime(PolicyRuntime):
             ranks.agree(stays.to(torch.int32), f"the entries {request.rid} keeps")
         entries = self.layer_rows[:, request.row, : keep.shape[1]]
         slots = self.ctx.req_to_token[request.row, :length]
-        packing = pack_rows(self.pooled, entries, stays, slots, request.protected_len, self.ctx.hole_slot)
-        return stays, packing.freed
+        hole, protected = self.ctx.hole_slot, request.protected_len
+        return stays, pack_rows(self.pooled, entries, stays, slots, protected, hole)

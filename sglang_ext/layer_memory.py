@@ -55,16 +55,9 @@ def pooled_buffers(kv_pool, num_layers: int) -> PooledBuffers:
                 "per-layer KV memory needs the KV pool's layers in one buffer "
                 "(sglang_ext.engine.memory.layers_in_one_buffer did not allocate this pool)"
             )
-        views.append(first.as_strided((num_layers * first.shape[0], *first.shape[1:]), first.stride()))
+        shape = (num_layers * first.shape[0], *first.shape[1:])
+        views.append(first.as_strided(shape, first.stride()))
     return PooledBuffers(views[0], views[1], kv_pool.get_key_buffer(0).shape[0])
-
-
-@dataclasses.dataclass(frozen=True)
-class Packing:
-    """A round's outcome for one request's memory."""
-
-    freed: torch.Tensor  # int64 slots given back to the pool
-    moved: int  # entries copied to another row
 
 
 def pack_rows(
@@ -74,8 +67,9 @@ def pack_rows(
     req_slots: torch.Tensor,
     protected_len: int,
     hole_slot: int,
-) -> Packing:
-    """Pack one request's kept entries into as few of its own slots as hold them.
+) -> torch.Tensor:
+    """Pack one request's kept entries into as few of its own slots as hold them; returns the
+    slots given back (int64).
 
     ``entries`` [layers, n] int32: each list entry's global row, rewritten in place for the entries
     that move; ``stays`` [layers, n] bool: which entries the round keeps (the others are dropped);
@@ -88,7 +82,7 @@ def pack_rows(
     own_at = own_at[own_at >= protected_len]
     own_slots = req_slots[own_at].long()
     if own_slots.numel() == 0:  # everything it holds is radix-owned
-        return Packing(own_slots, 0)
+        return own_slots
     by_slot, order = torch.sort(own_slots)
     slot_of = entries.long() % buffers.slots
     found = torch.searchsorted(by_slot, slot_of).clamp(max=by_slot.numel() - 1)
@@ -114,7 +108,7 @@ def pack_rows(
     buffers.values[destinations] = buffers.values[sources]
     entries[movers] = destinations.to(entries.dtype)
     req_slots[own_at[~stay_slot]] = hole_slot
-    return Packing(own_slots[~stay_slot], int(sources.numel()))
+    return own_slots[~stay_slot]
 
 
 def _free_rows_for(movers: torch.Tensor, taken: torch.Tensor) -> torch.Tensor:

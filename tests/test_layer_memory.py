@@ -1,6 +1,7 @@
-"""Lethe's per-layer memory on small tensors (CUDA where there is one: its compiled decode): a round packs each layer's kept entries into as
-few of the request's slots as hold them, every entry's row still holds its token's K/V, and the
-request's memory is the sum of its layers' lists (the engine runs are in test_engine_lethe)."""
+"""Lethe's per-layer memory on small tensors (CUDA where there is one: its compiled decode): a
+round packs each layer's kept entries into as few of the request's slots as hold them, every
+entry's row still holds its token's K/V, and the request's memory is the sum of its layers'
+lists (the engine runs are in test_engine_lethe)."""
 
 import dataclasses
 import math
@@ -116,7 +117,8 @@ def test_radix_owned_slots_are_never_packed_into_moved_or_freed():
         assert torch.equal(cache.keys[layer][protected], rows_before[layer])
         positions, rows = entries(runtime, request.row)[layer]
         prefix = positions < 64
-        assert torch.equal(rows[prefix], layer * runtime.pooled.slots + protected[positions[prefix]])
+        natural = layer * runtime.pooled.slots + protected[positions[prefix]]
+        assert torch.equal(rows[prefix], natural)
 
 
 def test_later_rounds_keep_the_accounting_exact():
