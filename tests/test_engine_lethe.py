@@ -42,10 +42,10 @@ SERVERS = {
         {"evict_threshold": 4096},
         ["--max-total-tokens", "700", "--schedule-conservativeness", "0.05", "--enable-metrics"],
     ),
-    # ... and where no cap frees memory (the per-layer rule keeps SmolLM2's flat first layers
-    # whole), SGLang retracts
+    # ... and where no cap frees memory (per-layer memory, the paper's rule at a ratio that
+    # keeps most of SmolLM2's tokens), SGLang retracts
     "retract": (
-        {"evict_threshold": 256, "max_kv_ratio": 1.0},
+        {"evict_threshold": 256, "max_kv_ratio": 1.0, "sparse_ratio": 1000.0},
         ["--max-total-tokens", "700", "--schedule-conservativeness", "0.05"],
     ),
 }
