@@ -72,6 +72,14 @@ def rounds_of(server, rid):
     return [m for m in ROUND.finditer(server.log()) if m[2] == rid]
 
 
+def story_with_rounds(server):
+    """300 tokens of a story, pruned in two rounds at least: the answer and its rounds' lines."""
+    out = generate(server, STORY, 300)
+    rounds = rounds_of(server, out["meta_info"]["id"])
+    assert len(rounds) >= 2, server.log()[-3000:]
+    return out, rounds
+
+
 def round_numbers(m):
     """positions, freed, available before, after, retained, radix-owned of a round's log line."""
     return map(int, m.groups()[2:8])
@@ -86,9 +94,7 @@ def assert_healthy_and_exact(server):
 
 def test_rounds_return_slots_and_keep_retained_kv_under_budget(servers):
     server = servers["lethe"]
-    out = generate(server, STORY, 300)
-    rounds = rounds_of(server, out["meta_info"]["id"])
-    assert len(rounds) >= 2, server.log()[-3000:]
+    out, rounds = story_with_rounds(server)
     for m in rounds:
         positions, freed, before, after, retained, radix_owned = round_numbers(m)
         assert after == before + freed  # the allocator's free size grew by what the round freed
@@ -113,9 +119,7 @@ def test_needle_is_answered_after_eviction(servers, model_path, depth):
 
 def test_per_layer_memory_holds_the_sum_of_the_layers_lists(servers):
     server = servers["layers"]
-    out = generate(server, STORY, 300)
-    rounds = rounds_of(server, out["meta_info"]["id"])
-    assert len(rounds) >= 2, server.log()[-3000:]
+    out, rounds = story_with_rounds(server)
     for m in rounds:
         positions, freed, before, after, retained, radix_owned = round_numbers(m)
         per_layer = [int(n) for n in m[9].split(",")]
