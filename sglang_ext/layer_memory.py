@@ -10,8 +10,8 @@ entries / layers)``, and the rest go back to the pool. A layer's decode reads it
 through the whole-pool view (``pooled_buffers``).
 
 Packing moves as little as it can: the slots that already hold the most kept entries stay, and
-only entries in the slots given back are copied, into the free rows of the slots that stay
-(source and destination rows never overlap). Radix-owned slots (a shared prefix) are never
+only entries in the slots given back are copied, into the free rows of the slots that stay, of
+their own layer first (source and destination rows never overlap). Radix-owned slots (a shared prefix) are never
 packed into, moved out of, or freed.
 """
 
