@@ -34,10 +34,10 @@ print(json.dumps({
 """
 
 
-def inspect_process(policy: str | None) -> dict:
+def inspect_process(policy: str | None, params: dict | None = None) -> dict:
     env = engine_env()
     if policy is not None:
-        env[POLICY_ENV] = json.dumps({"name": policy, "params": {}})
+        env[POLICY_ENV] = json.dumps({"name": policy, "params": params or {}})
     done = subprocess.run(
         [sys.executable, "-c", INSPECT], env=env, capture_output=True, text=True, timeout=300
     )
@@ -53,18 +53,22 @@ def test_without_a_policy_sglang_runs_exactly_as_it_ships():
 
 
 def test_lethe_hooks_every_target_and_serves_through_our_backends():
-    seen = inspect_process("lethe")
+    # per-layer lists: per-layer memory, so the KV pool's layers are allocated as one buffer too
+    seen = inspect_process("lethe", {"sparse_ratio": 2.0})
     assert seen["registered"] == sorted(targets.ALL)
     # functions are wrapped; the admission class is replaced by our subclass
     assert seen["wrapped"] == sorted(set(targets.ALL) - {targets.PREFILL_ADDER})
     assert seen["ours"] == [targets.PREFILL_ADDER]
     assert set(seen["backends"].values()) == {"sglang_ext.engine.backends"}
+    # one retained set (the default): SGLang's pool allocates its layers as it ships
+    default = inspect_process("lethe")
+    assert default["registered"] == sorted(set(targets.ALL) - {targets.KV_POOL_BUFFERS})
 
 
 def test_a_policy_that_does_not_evict_leaves_sglangs_memory_accounting_alone():
     seen = inspect_process("delta")
     memory = {targets.FREE, targets.UNCACHED_SIZES, targets.CACHE_UNFINISHED,
-              targets.PREFILL_ADDER, targets.CHECK_DECODE_MEM}  # fmt: skip
+              targets.PREFILL_ADDER, targets.CHECK_DECODE_MEM, targets.KV_POOL_BUFFERS}  # fmt: skip
     assert seen["registered"] == sorted(set(targets.ALL) - memory)
 
 
