@@ -11,8 +11,8 @@ through the whole-pool view (``pooled_buffers``).
 
 Packing moves as little as it can: the slots that already hold the most kept entries stay, and
 only entries in the slots given back are copied, into the free rows of the slots that stay, of
-their own layer first (source and destination rows never overlap). Radix-owned slots (a shared prefix) are never
-packed into, moved out of, or freed.
+their own layer first (source and destination rows never overlap). Radix-owned slots (a shared
+prefix) are never packed into, moved out of, or freed.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def pooled_buffers(kv_pool, num_layers: int) -> PooledBuffers:
             )
         shape = (num_layers * first.shape[0], *first.shape[1:])
         views.append(first.as_strided(shape, first.stride()))
-    return PooledBuffers(views[0], views[1], kv_pool.get_key_buffer(0).shape[0])
+    return PooledBuffers(views[0], views[1], slots=views[0].shape[0] // num_layers)
 
 
 def pack_rows(
@@ -78,8 +78,9 @@ def pack_rows(
     radix-owned. K/V rows are copied on the device; a few host reads per round."""
     num_layers = entries.shape[0]
     device = entries.device
-    own_at = (req_slots != hole_slot).nonzero().squeeze(1)
-    own_at = own_at[own_at >= protected_len]
+    own = req_slots != hole_slot
+    own[:protected_len] = False  # radix-owned
+    own_at = own.nonzero().squeeze(1)
     own_slots = req_slots[own_at].long()
     if own_slots.numel() == 0:  # everything it holds is radix-owned
         return own_slots
@@ -91,6 +92,9 @@ def pack_rows(
     kept_per_slot = torch.zeros(own_slots.numel(), dtype=torch.int64, device=device)
     kept_per_slot.index_add_(0, own_index[is_own], torch.ones_like(own_index[is_own]))
     needed = -(-int(kept_per_slot.sum()) // num_layers)
+    if needed == 0:  # no layer keeps anything of its own slots: all go back
+        req_slots[own_at] = hole_slot
+        return own_slots
     stay_slot = torch.zeros(own_slots.numel(), dtype=torch.bool, device=device)
     stay_slot[torch.topk(kept_per_slot, needed, sorted=False).indices] = True
     movers = is_own & ~stay_slot[own_index]
@@ -99,10 +103,10 @@ def pack_rows(
     rank = torch.cumsum(stay_slot.long(), 0) - 1
     taken = torch.zeros(num_layers, needed, dtype=torch.bool, device=device)
     taken[entries.long()[settled] // buffers.slots, rank[own_index[settled]]] = True
-    targets = _free_rows_for(movers, taken) if needed else torch.zeros_like(slot_of)
+    targets = _free_rows_for(movers, taken)[movers]
     staying_slots = own_slots[stay_slot]
     sources = entries[movers].long()
-    layer, column = targets[movers] // max(needed, 1), targets[movers] % max(needed, 1)
+    layer, column = targets // needed, targets % needed
     destinations = layer * buffers.slots + staying_slots[column]
     buffers.keys[destinations] = buffers.keys[sources]
     buffers.values[destinations] = buffers.values[sources]
