@@ -160,10 +160,11 @@ class Lethe(KVPolicy):
         return LayerShrink(keep, breakpoint + recent)
 
     def shrink_layers(self, positions: torch.Tensor, scores: torch.Tensor, counts: list[int]):
-        """``shrink_layer`` on every layer of a request at once, on the device: layer l's retained
-        entries are the first ``counts[l]`` columns of ``positions``/``scores`` [layers, n]. Returns
-        (keep [layers, n] bool, False past a layer's count; found [layers] bool: a breakpoint;
-        salient_plus_recent [layers] int64, meaningful where found), without a host sync."""
+        """``shrink_layer`` on many layers at once (a row each: the layers of a batch of requests),
+        on the device: row r's retained entries are the first ``counts[r]`` columns of
+        ``positions``/``scores`` [rows, n]. Returns (keep [rows, n] bool, False past a row's
+        count; found [rows] bool: a breakpoint; salient_plus_recent [rows] int64, meaningful
+        where found), without a host sync."""
         layers, n = scores.shape
         device = scores.device
         column = torch.arange(n, device=device)
@@ -188,39 +189,48 @@ class Lethe(KVPolicy):
         return keep, found, breakpoint + recent
 
     def cap_union_layers(
-        self, positions: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor, length: int
+        self, positions: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor, lengths: list[int]
     ) -> torch.Tensor:
-        """``cap_union`` of what ``shrink_layers`` kept ([layers, n] each), on the device without a
-        host sync. Bool [length]."""
+        """``cap_union`` of what ``shrink_layers`` kept, for a batch of requests at once on the
+        device without a host sync: request i's layers are ``[i]`` of ``positions``, ``scores``
+        and ``keep`` [requests, layers, n], its round covers ``lengths[i]`` positions. Bool
+        [requests, max(lengths)], False past a request's length."""
         device = scores.device
-        total = torch.where(keep, scores, 0.0).sum(1, keepdim=True)
+        width = max(lengths)
+        total = torch.where(keep, scores, 0.0).sum(2, keepdim=True)
         share = scores / total.clamp_min(torch.finfo(torch.float32).tiny)
-        best = torch.full((keep.shape[0], length + 1), float("-inf"), device=device)
-        at = torch.where(keep, positions.long(), length)  # what a layer dropped goes to a spare column
-        best.scatter_reduce_(1, at, torch.where(keep, share, float("-inf")), "amax")
-        best = best[:, :length].amax(0)
+        best = torch.full((*keep.shape[:2], width + 1), float("-inf"), device=device)
+        at = torch.where(keep, positions.long(), width)  # what a layer dropped: a spare column
+        best.scatter_reduce_(2, at, torch.where(keep, share, float("-inf")), "amax")
+        best = best[:, :, :width].amax(1)
         union = torch.isfinite(best)
-        cap = self.round_cap(length)
-        capped = torch.zeros(length, dtype=torch.bool, device=device)
-        capped[: self.sink_tokens] = True
-        capped[length - self.recent_window(cap) :] = True
-        room = cap - capped.sum()
+        caps = [self.round_cap(n) for n in lengths]
+        cap = torch.tensor(caps, device=device)[:, None]
+        recent = torch.tensor([self.recent_window(c) for c in caps], device=device)[:, None]
+        length = torch.tensor(lengths, device=device)[:, None]
+        column = torch.arange(width, device=device)
+        capped = (column < length) & ((column < self.sink_tokens) | (column >= length - recent))
+        room = cap - capped.sum(1, keepdim=True)
         candidates = torch.where(capped | ~union, float("-inf"), best)
-        top = torch.topk(candidates, min(cap, length))
-        chosen = (torch.arange(top.indices.numel(), device=device) < room) & torch.isfinite(top.values)
-        capped |= torch.zeros_like(capped).scatter_(0, top.indices, chosen)
-        return torch.where(union.sum() <= cap, union, capped)
+        ranked, order = torch.sort(candidates, dim=1, descending=True, stable=True)
+        chosen = (column < room) & torch.isfinite(ranked)
+        capped |= torch.zeros_like(capped).scatter_(1, order, chosen)
+        return torch.where(union.sum(1, keepdim=True) <= cap, union, capped)
 
     def cap_layers(
-        self, positions: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor, length: int
+        self, positions: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor, lengths: list[int]
     ) -> torch.Tensor:
-        """What ``shrink_layers`` kept ([layers, n] each, entries by ascending position), each
-        layer cut to ``round_cap(length)`` entries where it kept more: its sink tokens and its
-        most recent entries first, then by its own score. On the device, without a host sync."""
-        cap = self.round_cap(length)
+        """What ``shrink_layers`` kept ([rows, n] each, a row a layer of a request, its entries by
+        ascending position), each row cut to ``round_cap(lengths[row])`` entries where it kept
+        more: its sink tokens and its most recent entries first, then by its own score. On the
+        device, without a host sync."""
+        device = scores.device
+        caps = [self.round_cap(n) for n in lengths]
+        cap = torch.tensor(caps, device=device)[:, None]
+        recent = torch.tensor([self.recent_window(c) for c in caps], device=device)[:, None]
         kept = keep.sum(1, keepdim=True)
         from_end = kept - torch.cumsum(keep.long(), 1)  # 0 at a layer's last kept entry
-        forced = keep & ((positions < self.sink_tokens) | (from_end < self.recent_window(cap)))
+        forced = keep & ((positions < self.sink_tokens) | (from_end < recent))
         room = cap - forced.sum(1, keepdim=True)
         candidates = torch.where(keep & ~forced, scores, float("-inf"))
         order = torch.argsort(candidates, dim=1, descending=True, stable=True)

@@ -36,6 +36,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -66,6 +67,41 @@ class _Extending:
     rows: list[int]
     seq_lens: list[int]
     indices: list[int]
+
+
+# Requests pruned in one batched round at most: bounds its [requests, layers, positions] scratch.
+ROUND_BATCH = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class _RoundBatch:
+    """Requests of one policy pruned together, and where each may give slots back."""
+
+    policy: Any
+    requests: list[StepRequest]
+    lengths: list[int]  # the positions each request's round covers
+    rows: torch.Tensor  # their req_to_token rows
+    slots: torch.Tensor  # [requests, max length]: req_to_token over their rounds (a copy)
+    own: torch.Tensor  # bool, as slots: inside its round, past its radix prefix, not a hole
+
+    @classmethod
+    def of(cls, members: list[tuple[StepRequest, int]], ctx) -> _RoundBatch:
+        requests, lengths = [r for r, _ in members], [n for _, n in members]
+        device = ctx.req_to_token.device
+        rows = torch.tensor([r.row for r in requests], device=device)
+        slots = ctx.req_to_token[rows, : max(lengths)]
+        column = torch.arange(slots.shape[1], device=device)
+        bounds = torch.tensor([[r.protected_len, n] for r, n in members], device=device)
+        own = (column >= bounds[:, :1]) & (column < bounds[:, 1:]) & (slots != ctx.hole_slot)
+        return cls(requests[0].state.policy, requests, lengths, rows, slots, own)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RoundOutcome:
+    stays: torch.Tensor  # [requests, layers, n] bool: the list entries kept
+    freed: torch.Tensor  # int64: the slots given back, request after request
+    freed_counts: list[int]  # per request
+    entries: torch.Tensor | None  # per-layer memory: each entry's row after packing
 
 
 class LetheRuntime(PolicyRuntime):
@@ -148,8 +184,8 @@ class LetheRuntime(PolicyRuntime):
             return
         self._extending = _Extending([], [], [])  # an extend without a prefill plan seeds nothing
         started = time.perf_counter()
-        for request in plan.rounds:  # positions before the token being decoded
-            self.prune(request, request.seq_len - 1, engine)
+        # over the positions before the token being decoded
+        self.prune(plan.rounds, [r.seq_len - 1 for r in plan.rounds], engine)
         self.stats.seconds += time.perf_counter() - started
 
     def prepare_decode(self, forward_batch) -> None:
@@ -184,16 +220,14 @@ class LetheRuntime(PolicyRuntime):
         would leave; ``seq_len`` counts the cached tokens (all in the lists). Slots freed."""
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize()  # the last decode step may still be appending to the lists
-        freed = 0
-        for request in requests:
-            state = request.state
-            if not state.evicts:
-                continue
-            held_past_radix = request.seq_len - state.evicted - request.protected_len
-            if held_past_radix > state.policy.round_cap(request.seq_len):
-                before = state.evicted
-                self.prune(request, request.seq_len, engine)
-                freed += state.evicted - before
+        due = [
+            r for r in requests
+            if r.state.evicts
+            and r.seq_len - r.state.evicted - r.protected_len > r.state.policy.round_cap(r.seq_len)
+        ]  # fmt: skip
+        before = sum(r.state.evicted for r in due)
+        self.prune(due, [r.seq_len for r in due], engine)
+        freed = sum(r.state.evicted for r in due) - before
         self.stats.relief_slots += freed
         return freed
 
@@ -303,74 +337,110 @@ class LetheRuntime(PolicyRuntime):
             seed = rasr.pool_neighbours(received, self.policy.observation_pool)
             self.scores[lid, row, :seq_len] = seed if ranks is None else seed / ranks.size
 
-    def prune(self, request: StepRequest, length: int, engine: EngineOps) -> None:
-        """One pruning round of a request over its first ``length`` positions: every layer at
-        once on the device (``Lethe.shrink_layers``, then ``_free_union`` or ``_pack_layers``),
-        with a few host reads per round (the lists' lengths, the slots to free, the outcome)."""
-        from sglang_ext.policies.lethe import LayerShrink
+    def prune(self, requests: list[StepRequest], lengths: list[int], engine: EngineOps) -> None:
+        """A pruning round of each request, request i over its first ``lengths[i]`` positions:
+        the requests of one policy (the same parameters) together, up to ``ROUND_BATCH`` at a
+        time, every layer of each at once on the device (``Lethe.shrink_layers``, then
+        ``_free_union`` or ``_pack_layers``), with three host reads per batch (the lists'
+        lengths, the slots freed, the outcome): a batch costs one round's launches."""
+        by_policy: dict = {}
+        for request, length in zip(requests, lengths, strict=True):
+            by_policy.setdefault(request.state.policy, []).append((request, length))
+        for members in by_policy.values():
+            for start in range(0, len(members), ROUND_BATCH):
+                self._round(_RoundBatch.of(members[start : start + ROUND_BATCH], self.ctx), engine)
 
-        state, row = request.state, request.row
-        own, lethe = state.policy, state.policy_state
-        counts = self.count[:, row].tolist()
-        n = max(counts)
-        positions, scores = self.positions[:, row, :n], self.scores[:, row, :n]
-        ranks = self.ctx.ranks
+    def _round(self, batch: _RoundBatch, engine: EngineOps) -> None:
+        own, rows, ranks = batch.policy, batch.rows, self.ctx.ranks
+        counts = self.count[:, rows].T.tolist()  # [requests][layers]
+        n = max(max(layer_counts) for layer_counts in counts)
+        positions = self.positions[:, rows, :n].transpose(0, 1)  # [requests, layers, n]
+        scores = self.scores[:, rows, :n].transpose(0, 1)
         combined = scores if ranks is None else ranks.sum(scores)  # over every rank's heads
-        keep, found, salient_plus_recent = own.shrink_layers(positions, combined, counts)
+        keep, found, salient_plus_recent = own.shrink_layers(
+            positions.flatten(0, 1), combined.flatten(0, 1), sum(counts, [])
+        )
         packs = self.layer_rows is not None and own.pack_layers
         free = self._pack_layers if packs else self._free_union
-        stays, freed = free(request, positions, combined, keep, length)
-        order = torch.sort((~stays).to(torch.int8), dim=1, stable=True).indices  # kept first
-        self.positions[:, row, :n] = positions.gather(1, order)
-        self.scores[:, row, :n] = scores.gather(1, order)
+        outcome = free(batch, positions, combined, keep.view(positions.shape))
+        order = torch.sort((~outcome.stays).to(torch.int8), dim=2, stable=True).indices  # kept first
+        self.positions[:, rows, :n] = positions.gather(2, order).transpose(0, 1)
+        self.scores[:, rows, :n] = scores.gather(2, order).transpose(0, 1)
         if self.layer_rows is not None:
-            self.layer_rows[:, row, :n] = self.layer_rows[:, row, :n].gather(1, order)
-        self.count[:, row] = stays.sum(1).to(torch.int32)
-        available_before = engine.available_slots()
-        engine.free_slots(freed)
-
+            entries = outcome.entries
+            if entries is None:
+                entries = self.layer_rows[:, rows, :n].transpose(0, 1)
+            self.layer_rows[:, rows, :n] = entries.gather(2, order).transpose(0, 1)
+        retained = outcome.stays.sum(2)
+        self.count[:, rows] = retained.T.to(torch.int32)
         per_layer, found, salient_plus_recent = torch.stack(
-            [self.count[:, row].long(), found.long(), salient_plus_recent]
+            [retained, found.view_as(retained).long(), salient_plus_recent.view_as(retained)]
         ).tolist()
-        shrinks = [LayerShrink(None, s if f else None) for f, s in zip(found, salient_plus_recent)]
-        state.evicted += freed.numel()
+        freed = outcome.freed.split(outcome.freed_counts)
+        for i, (request, length) in enumerate(zip(batch.requests, batch.lengths, strict=True)):
+            available_before = engine.available_slots()
+            engine.free_slots(freed[i])
+            layers = (per_layer[i], found[i], salient_plus_recent[i])
+            self._close_round(request, length, freed[i].numel(), *layers)
+            logger.info(
+                "sglang_ext: lethe round %d of %s: %d positions, freed %d slots (available %d -> "
+                "%d), retained %d (radix-owned %d), next threshold %d, retained per layer %s",
+                request.state.rounds, request.rid, length, freed[i].numel(), available_before,
+                engine.available_slots(), length - request.state.evicted, request.protected_len,
+                request.state.policy_state.threshold, per_layer[i],
+            )  # fmt: skip
+
+    def _close_round(
+        self, request, length: int, freed: int, retained_per_layer, found, salient_plus_recent
+    ) -> None:
+        """A request's host state after its round: what it freed and keeps, its next threshold
+        (from each layer's breakpoint, where it found one)."""
+        from sglang_ext.policies.lethe import LayerShrink
+
+        state, lethe = request.state, request.state.policy_state
+        shrinks = [
+            LayerShrink(None, s if f else None)
+            for f, s in zip(found, salient_plus_recent, strict=True)
+        ]
+        state.evicted += freed
         state.rounds += 1
-        lethe.retained_per_layer, lethe.round_length = per_layer, length
+        lethe.retained_per_layer, lethe.round_length = retained_per_layer, length
         retained = length - state.evicted
-        lethe.threshold = own.next_threshold(lethe.threshold, shrinks, retained, length)
+        lethe.threshold = state.policy.next_threshold(lethe.threshold, shrinks, retained, length)
         self.stats.rounds += 1
-        self.stats.freed_slots += freed.numel()
-        logger.info(
-            "sglang_ext: lethe round %d of %s: %d positions, freed %d slots (available %d -> %d), "
-            "retained %d (radix-owned %d), next threshold %d, retained per layer %s",
-            state.rounds, request.rid, length, freed.numel(), available_before, engine.available_slots(),
-            retained, request.protected_len, lethe.threshold, per_layer,
-        )  # fmt: skip
+        self.stats.freed_slots += freed
 
-    def _free_union(self, request, positions, scores, keep, length: int):
-        """One retained set for the request, capped (``cap_union_layers``): a slot goes back once
-        no layer keeps its token, leaving a hole. Returns (the entries that stay, slots freed)."""
-        own, ranks = request.state.policy, self.ctx.ranks
-        kept_by_any = own.cap_union_layers(positions, scores, keep, length)
+    def _free_union(self, batch: _RoundBatch, positions, scores, keep) -> _RoundOutcome:
+        """One retained set per request, capped (``cap_union_layers``): a slot goes back once no
+        layer keeps its token, leaving a hole."""
+        own, ranks = batch.policy, self.ctx.ranks
+        kept_by_any = own.cap_union_layers(positions, scores, keep, batch.lengths)
         if ranks is not None:
-            ranks.agree(kept_by_any.to(torch.int32), f"the tokens {request.rid} keeps")
-        slots = self.ctx.req_to_token[request.row, :length]
-        freeable = ~kept_by_any & (slots != self.ctx.hole_slot)
-        freeable[: request.protected_len] = False  # owned by the radix tree
-        freed = slots[freeable].to(torch.int64)
-        slots[freeable] = self.ctx.hole_slot
-        return keep & kept_by_any[positions.long().clamp(max=length - 1)], freed
+            ranks.agree(kept_by_any.to(torch.int32), "the tokens a round's requests keep")
+        freeable = batch.own & ~kept_by_any
+        counts = freeable.sum(1).tolist()
+        at = torch.nonzero_static(freeable.flatten(), size=sum(counts)).squeeze(1)
+        freed = batch.slots.flatten()[at].to(torch.int64)
+        holes = torch.where(freeable, self.ctx.hole_slot, batch.slots)
+        self.ctx.req_to_token[batch.rows, : holes.shape[1]] = holes
+        last = batch.own.new_tensor(batch.lengths, dtype=torch.int64)[:, None, None] - 1
+        at_position = torch.minimum(positions.long(), last).flatten(1)
+        stays = keep & kept_by_any.gather(1, at_position).view_as(keep)
+        return _RoundOutcome(stays, freed, counts, entries=None)
 
-    def _pack_layers(self, request, positions, scores, keep, length: int):
+    def _pack_layers(self, batch: _RoundBatch, positions, scores, keep) -> _RoundOutcome:
         """Per-layer memory: each layer's list capped (``cap_layers``), the kept entries of all
-        layers packed into as few of the request's slots as hold them (``pack_rows``)."""
+        layers packed into as few of each request's slots as hold them (``pack_rows``)."""
         from sglang_ext.layer_memory import pack_rows
 
-        own, ranks = request.state.policy, self.ctx.ranks
-        stays = own.cap_layers(positions, scores, keep, length)
+        own, ranks = batch.policy, self.ctx.ranks
+        layers = keep.shape[1]
+        row_lengths = [length for length in batch.lengths for _ in range(layers)]
+        flat = (t.flatten(0, 1) for t in (positions, scores, keep))
+        stays = own.cap_layers(*flat, row_lengths).view_as(keep)
         if ranks is not None:
-            ranks.agree(stays.to(torch.int32), f"the entries {request.rid} keeps")
-        entries = self.layer_rows[:, request.row, : keep.shape[1]]
-        slots = self.ctx.req_to_token[request.row, :length]
-        hole, protected = self.ctx.hole_slot, request.protected_len
-        return stays, pack_rows(self.pooled, entries, stays, slots, protected, hole)
+            ranks.agree(stays.to(torch.int32), "the entries a round's requests keep")
+        entries = self.layer_rows[:, batch.rows, : keep.shape[2]].transpose(0, 1)
+        packed = pack_rows(self.pooled, entries, stays, batch.slots, batch.own, self.ctx.hole_slot)
+        self.ctx.req_to_token[batch.rows, : packed.slots.shape[1]] = packed.slots.to(torch.int32)
+        return _RoundOutcome(stays, packed.freed, packed.freed_counts, packed.entries)

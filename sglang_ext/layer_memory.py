@@ -60,78 +60,94 @@ def pooled_buffers(kv_pool, num_layers: int) -> PooledBuffers:
     return PooledBuffers(views[0], views[1], slots=views[0].shape[0] // num_layers)
 
 
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """A packing's outcome for a batch of requests."""
+
+    entries: torch.Tensor  # [requests, layers, n]: each entry's row after the moves
+    slots: torch.Tensor  # [requests, positions]: the given-back slots now the hole
+    freed: torch.Tensor  # int64: the slots given back, request after request
+    freed_counts: list[int]  # per request
+
+
 def pack_rows(
     buffers: PooledBuffers,
     entries: torch.Tensor,
     stays: torch.Tensor,
-    req_slots: torch.Tensor,
-    protected_len: int,
+    slots: torch.Tensor,
+    own: torch.Tensor,
     hole_slot: int,
-) -> torch.Tensor:
-    """Pack one request's kept entries into as few of its own slots as hold them; returns the
-    slots given back (int64).
+) -> Packed:
+    """Pack each request's kept entries into as few of its own slots as hold them.
 
-    ``entries`` [layers, n] int32: each list entry's global row, rewritten in place for the entries
-    that move; ``stays`` [layers, n] bool: which entries the round keeps (the others are dropped);
-    ``req_slots``: the request's ``req_to_token`` row over the positions the round covers, whose
-    given-back slots become ``hole_slot`` in place; its first ``protected_len`` positions are
-    radix-owned. K/V rows are copied on the device; a few host reads per round."""
-    num_layers = entries.shape[0]
-    device = entries.device
-    own = req_slots != hole_slot
-    own[:protected_len] = False  # radix-owned
-    own_at = own.nonzero().squeeze(1)
-    own_slots = req_slots[own_at].long()
-    if own_slots.numel() == 0:  # everything it holds is radix-owned
-        return own_slots
-    by_slot, order = torch.sort(own_slots)
-    slot_of = entries.long() % buffers.slots
-    found = torch.searchsorted(by_slot, slot_of).clamp(max=by_slot.numel() - 1)
-    is_own = stays & (by_slot[found] == slot_of)
-    own_index = order[found]  # entry -> index into own_slots (meaningful where is_own)
-    kept_per_slot = torch.zeros(own_slots.numel(), dtype=torch.int64, device=device)
-    kept_per_slot.index_add_(0, own_index[is_own], torch.ones_like(own_index[is_own]))
-    needed = -(-int(kept_per_slot.sum()) // num_layers)
-    if needed == 0:  # no layer keeps anything of its own slots: all go back
-        req_slots[own_at] = hole_slot
-        return own_slots
-    stay_slot = torch.zeros(own_slots.numel(), dtype=torch.bool, device=device)
-    stay_slot[torch.topk(kept_per_slot, needed, sorted=False).indices] = True
-    movers = is_own & ~stay_slot[own_index]
-    settled = is_own & stay_slot[own_index]
-    # rows of the slots that stay, [buffer layer, slot that stays]: which hold a kept entry
-    rank = torch.cumsum(stay_slot.long(), 0) - 1
-    taken = torch.zeros(num_layers, needed, dtype=torch.bool, device=device)
-    taken[entries.long()[settled] // buffers.slots, rank[own_index[settled]]] = True
-    targets = _free_rows_for(movers, taken)[movers]
-    staying_slots = own_slots[stay_slot]
-    sources = entries[movers].long()
-    layer, column = targets // needed, targets % needed
-    destinations = layer * buffers.slots + staying_slots[column]
-    buffers.keys[destinations] = buffers.keys[sources]
-    buffers.values[destinations] = buffers.values[sources]
-    entries[movers] = destinations.to(entries.dtype)
-    req_slots[own_at[~stay_slot]] = hole_slot
-    return own_slots[~stay_slot]
+    ``entries`` [requests, layers, n] int32: each list entry's global row; ``stays`` (same shape,
+    bool): which entries the round keeps; ``slots`` [requests, positions]: each request's
+    ``req_to_token`` over the positions its round covers (padded), ``own`` where it may give the
+    slot back (inside its round, past its radix prefix, not a hole). K/V rows are copied on the
+    device; fixed shapes throughout but for one host read (how many entries move, how many
+    slots each request gives back), so a batch of requests costs one round's launches."""
+    requests, num_layers, n = entries.shape
+    width, device = slots.shape[1], entries.device
+    slots = slots.long()
+    # each entry's position: a request holds a slot at one position only
+    by_slot, order = torch.sort(slots, dim=1)
+    rows = entries.long().reshape(requests, -1)
+    slot_of = rows % buffers.slots
+    found = torch.searchsorted(by_slot, slot_of).clamp(max=width - 1)
+    at = order.gather(1, found)
+    is_own = stays.view(requests, -1) & (by_slot.gather(1, found) == slot_of) & own.gather(1, at)
+    kept_per_slot = torch.zeros_like(slots).scatter_add_(1, at, is_own.long())
+    needed = (kept_per_slot.sum(1, keepdim=True) + num_layers - 1) // num_layers
+    # the own slots holding the most kept entries stay, each a column of the rows they offer
+    ranked = torch.argsort(torch.where(own, kept_per_slot, -1), dim=1, descending=True, stable=True)
+    first = torch.arange(width, device=device) < needed
+    stay_slot = torch.zeros_like(own).scatter_(1, ranked, first)
+    column = torch.cumsum(stay_slot.long(), 1) - 1
+    settled, movers = is_own & stay_slot.gather(1, at), is_own & ~stay_slot.gather(1, at)
+    # taken[request, buffer layer, column]: a row holding a kept entry, or no row (past needed)
+    taken = torch.zeros(requests, num_layers, width + 1, dtype=torch.bool, device=device)
+    request = torch.arange(requests, device=device)[:, None]
+    layer_of = torch.where(settled, rows // buffers.slots, 0)
+    taken[request, layer_of, torch.where(settled, column.gather(1, at), width)] = True
+    taken = taken[:, :, :width] | ~first[:, None, :]
+    movers = movers.view_as(stays)
+    targets = _free_rows_for(movers, taken).view(requests, -1)
+    slot_at_column = torch.zeros(requests, width + 1, dtype=torch.int64, device=device)
+    slot_at_column.scatter_(1, torch.where(stay_slot, column, width), slots)
+    destinations = targets // width * buffers.slots + slot_at_column.gather(1, targets % width)
+    given_back = own & ~stay_slot
+    moving, *freed_counts = torch.cat([movers.sum().view(1), given_back.sum(1)]).tolist()
+    at_mover = torch.nonzero_static(movers.flatten(), size=moving).squeeze(1)
+    sources, into = rows.flatten()[at_mover], destinations.flatten()[at_mover]
+    buffers.keys[into] = buffers.keys[sources]
+    buffers.values[into] = buffers.values[sources]
+    freed = slots.flatten()[torch.nonzero_static(given_back.flatten(), size=sum(freed_counts))]
+    return Packed(
+        entries=torch.where(movers, destinations.view_as(entries).to(entries.dtype), entries),
+        slots=torch.where(given_back, hole_slot, slots),
+        freed=freed.squeeze(1),
+        freed_counts=freed_counts,
+    )
 
 
 def _free_rows_for(movers: torch.Tensor, taken: torch.Tensor) -> torch.Tensor:
-    """A free row (``layer * columns + column`` of ``taken`` [layers, columns], False: free) for
-    every mover ([layers, n] bool, by the layer whose list holds it), its own layer's rows
-    first: a layer's decode then reads rows of its own buffer, as before the round, wherever
-    they suffice (always when the layers keep equally many). The rest take the rows left over,
-    in order. Meaningful where ``movers``."""
-    layers, columns = taken.shape
+    """A free row (``layer * columns + column`` of ``taken`` [requests, layers, columns], False:
+    free) for every mover ([requests, layers, n] bool, by the layer whose list holds it), its
+    own layer's rows first: a layer's decode then reads rows of its own buffer, as before the
+    round, wherever they suffice (always when the layers keep equally many). The rest take
+    their request's rows left over, in order. Meaningful where ``movers``."""
+    requests, layers, columns = taken.shape
     free = ~taken
-    free_columns = torch.argsort(taken.to(torch.int8), dim=1, stable=True)  # free ones first
-    free_count, mover_count = free.sum(1, keepdim=True), movers.sum(1, keepdim=True)
-    mover_rank = torch.cumsum(movers.long(), 1) - 1
+    free_columns = torch.argsort(taken.to(torch.int8), dim=2, stable=True)  # free ones first
+    free_count, mover_count = free.sum(2, keepdim=True), movers.sum(2, keepdim=True)
+    mover_rank = torch.cumsum(movers.long(), 2) - 1
     at_home = movers & (mover_rank < free_count)
-    home_column = free_columns.gather(1, mover_rank.clamp(0, columns - 1))
+    home_column = free_columns.gather(2, mover_rank.clamp(0, columns - 1))
     layer = torch.arange(layers, device=taken.device)[:, None]
-    targets = torch.where(at_home, layer * columns + home_column, 0)
-    left = free & (torch.cumsum(free.long(), 1) - 1 >= torch.minimum(mover_count, free_count))
-    spare = left.flatten().nonzero().squeeze(1)
-    away = movers & ~at_home
-    targets[away] = spare[: int(away.sum())]
-    return targets
+    left = free & (torch.cumsum(free.long(), 2) - 1 >= torch.minimum(mover_count, free_count))
+    # each request's rows left over, in order first
+    spare = torch.argsort((~left).view(requests, -1).to(torch.int8), dim=1, stable=True)
+    away = (movers & ~at_home).view(requests, -1)
+    away_rank = (torch.cumsum(away.long(), 1) - 1).clamp(0, layers * columns - 1)
+    away_row = spare.gather(1, away_rank).view_as(movers)
+    return torch.where(at_home, layer * columns + home_column, away_row)

@@ -27,7 +27,7 @@ def rounded(cache, runtime, request, protected_len=0):
     before = [(cache.keys[layer][slots].clone(), cache.values[layer][slots].clone())
               for layer in range(cache.num_layers)]  # fmt: skip
     pool = Pool()
-    runtime.prune(dataclasses.replace(request, protected_len=protected_len), length, pool.ops())
+    runtime.prune([dataclasses.replace(request, protected_len=protected_len)], [length], pool.ops())
     return before, pool
 
 
@@ -147,3 +147,39 @@ def test_each_layers_entries_are_counted_and_a_step_attends_their_mean():
     assert report.attended == sum(counts) / 3 and report.held == 300 - request.state.evicted
     default = runtime_for(Cache(num_layers=3, device=DEVICE))  # one list for every layer
     assert default.held_per_layer(step(cache, default, 0)) is None
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{}, PER_LAYER, {**PER_LAYER, "pack_layers": False}],
+    ids=["one-set", "per-layer-packed", "per-layer-union"],
+)
+def test_a_batched_round_ends_as_each_requests_round_alone(params):
+    """Requests of different lengths, one with a radix prefix, pruned in one batch: the same
+    slots freed, lists, rows, K/V and thresholds as each pruned alone."""
+    outcomes = []
+    for batched in (True, False):
+        cache = Cache(num_layers=3, seq_lens=(300, 140, 60), device=DEVICE)
+        runtime = runtime_for(cache, **params)
+        requests = [step(cache, runtime, i) for i in range(3)]
+        requests[1] = dataclasses.replace(requests[1], protected_len=32)
+        gen = torch.Generator().manual_seed(5)
+        for request in requests:
+            scores = torch.rand(3, request.seq_len - 1, generator=gen) ** 8
+            runtime.scores[:, request.row, : request.seq_len - 1] = scores.to(DEVICE)
+        lengths = [request.seq_len - 1 for request in requests]
+        pool = Pool()
+        if batched:
+            runtime.prune(requests, lengths, pool.ops())
+        else:
+            for request, length in zip(requests, lengths):
+                runtime.prune([request], [length], pool.ops())
+        state = [runtime.count, runtime.positions, runtime.scores, cache.req_to_token]
+        if runtime.layer_rows is not None:
+            state += [runtime.layer_rows, runtime.pooled.keys, runtime.pooled.values]
+        hosts = [(r.state.evicted, r.state.policy_state.threshold) for r in requests]
+        outcomes.append((pool.freed, hosts, [t.clone() for t in state]))
+    (freed, hosts, state), (freed_alone, hosts_alone, state_alone) = outcomes
+    assert freed == freed_alone and len(freed) > 0 and hosts == hosts_alone
+    for tensor, alone in zip(state, state_alone, strict=True):
+        assert torch.equal(tensor, alone)

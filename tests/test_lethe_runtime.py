@@ -81,7 +81,7 @@ def test_a_round_frees_exactly_what_no_layer_keeps_and_leaves_holes():
     slots_before = cache.req_to_token[row, :length].clone()
     pool = Pool()
 
-    runtime.prune(request, length, pool.ops())
+    runtime.prune([request], [length], pool.ops())
 
     kept = torch.zeros(length, dtype=torch.bool)
     for layer in range(3):
@@ -106,7 +106,7 @@ def test_radix_owned_positions_are_never_freed():
     protected = dataclasses.replace(request, protected_len=64)
     runtime.scores[:, protected.row, :199] = torch.linspace(1, 0, 199) ** 20
     pool = Pool()
-    runtime.prune(protected, 199, pool.ops())
+    runtime.prune([protected], [199], pool.ops())
     assert cache.req_to_token[protected.row, :64].ne(HOLE).all()
     assert pool.freed and not set(pool.freed) & set(cache.req_to_token[protected.row, :64].tolist())
 
@@ -164,7 +164,7 @@ def prefill_then_round(cache, prefill_q, ranks=None, **params):
     for layer in range(cache.num_layers):
         cache.decode(runtime.decode_fns[layer], layer)
     first = requests[0]
-    runtime.prune(first, first.seq_len, pool.ops())
+    runtime.prune([first], [first.seq_len], pool.ops())
     row = first.row
     counts = runtime.count[:, row].tolist()
     kept = [runtime.positions[layer, row, :n].tolist() for layer, n in enumerate(counts)]

@@ -34,7 +34,7 @@ def test_without_a_sparse_ratio_no_layer_finds_a_breakpoint_and_only_the_cap_evi
     keep, found, _ = policy.shrink_layers(positions, scores, counts)
     assert not found.any() and keep[0].all() and keep[1, :60].all() and not keep[1, 60:].any()
     assert policy.shrink_layer(positions[0], scores[0]).salient_plus_recent is None
-    union = policy.cap_union_layers(positions, scores, keep, 100)
+    (union,) = policy.cap_union_layers(positions[None], scores[None], keep[None], [100])
     assert int(union.sum()) == policy.round_cap(100) and union[:2].all() and union[-1]
     with_rule = Lethe(sparse_ratio=400.0, sink_tokens=2, max_kv_ratio=0.3)
     assert with_rule.shrink_layers(positions, scores, counts)[1].all()  # the paper's rule cuts
@@ -133,15 +133,16 @@ def test_a_round_over_all_layers_at_once_equals_layer_by_layer(seed):
         kept_scores.append(scores[layer, :n][one.keep])
     assert bool(found[0]) and not bool(found[1])
     expected = policy.cap_union(kept, kept_scores, length)
-    assert torch.equal(policy.cap_union_layers(positions, scores, keep, length), expected)
+    batched = policy.cap_union_layers(positions[None], scores[None], keep[None], [length])
+    assert torch.equal(batched[0], expected)
 
 
 def test_the_batched_union_under_the_cap_is_left_alone():
     policy = Lethe(max_kv_ratio=1.0)
     positions = torch.tensor([[0, 5], [5, 9]], dtype=torch.int32)
     keep = torch.ones(2, 2, dtype=torch.bool)
-    union = policy.cap_union_layers(positions, torch.ones(2, 2), keep, 10)
-    assert torch.nonzero(union).flatten().tolist() == [0, 5, 9]
+    union = policy.cap_union_layers(positions[None], torch.ones(1, 2, 2), keep[None], [10])
+    assert torch.nonzero(union[0]).flatten().tolist() == [0, 5, 9]
 
 
 def test_each_layer_is_capped_alone_by_its_own_scores_with_sink_and_recent_kept():
@@ -156,7 +157,7 @@ def test_each_layer_is_capped_alone_by_its_own_scores_with_sink_and_recent_kept(
     keep = torch.ones(3, length, dtype=torch.bool)
     keep[1, 30:] = False  # its last kept entry is position 29
     keep[2, 5:] = False  # 5 entries: under the cap
-    capped = policy.cap_layers(positions, scores, keep, length)
+    capped = policy.cap_layers(positions, scores, keep, [length] * 3)
     cap, recent = 12, 4  # 0.3 x 40; 0.3 x 12 rounded up
     first, second = positions[0][capped[0]].tolist(), positions[1][capped[1]].tolist()
     assert len(first) == len(second) == cap
