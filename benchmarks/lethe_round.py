@@ -41,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"python -m benchmarks.{BENCH}", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--shape", required=True, help="model shape: a folder of benchmarks/configs")
+    parser.add_argument(
+        "--shape", required=True, help="model shape: a folder of benchmarks/configs"
+    )
     parser.add_argument("--context", type=harness.int_list, default=[2048, 8192])
     parser.add_argument(
         "--requests", type=harness.int_list, default=[1, 16],
@@ -75,9 +77,11 @@ class Requests:
         keys, values = list(pool[0].unbind(0)), list(pool[1].unbind(0))
         self.slots = (torch.randperm(slots - 1, generator=gen) + 1).int().to(device)
         self.req_to_token = torch.zeros(count + 1, context + 1, dtype=torch.int32, device=device)
+        kv_pool = SimpleNamespace(
+            get_key_buffer=keys.__getitem__, get_value_buffer=values.__getitem__
+        )
         ctx = DecodeContext(
-            num_layers=layers, base_decode=None, write_kv=None,
-            kv_pool=SimpleNamespace(get_key_buffer=keys.__getitem__, get_value_buffer=values.__getitem__),
+            num_layers=layers, base_decode=None, write_kv=None, kv_pool=kv_pool,
             req_to_token=self.req_to_token, max_batch_size=count, device=device,
             num_q_heads=cfg["num_attention_heads"], head_dim=dim, hole_slot=HOLE,
         )  # fmt: skip

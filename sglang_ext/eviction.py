@@ -363,7 +363,8 @@ class LetheRuntime(PolicyRuntime):
         packs = self.layer_rows is not None and own.pack_layers
         free = self._pack_layers if packs else self._free_union
         outcome = free(batch, positions, combined, keep.view(positions.shape))
-        order = torch.sort((~outcome.stays).to(torch.int8), dim=2, stable=True).indices  # kept first
+        kept_first = torch.sort((~outcome.stays).to(torch.int8), dim=2, stable=True)
+        order = kept_first.indices
         self.positions[:, rows, :n] = positions.gather(2, order).transpose(0, 1)
         self.scores[:, rows, :n] = scores.gather(2, order).transpose(0, 1)
         if self.layer_rows is not None:
