@@ -77,13 +77,15 @@ def pack_rows(
     slots: torch.Tensor,
     own: torch.Tensor,
     hole_slot: int,
+    columns: int,
 ) -> Packed:
     """Pack each request's kept entries into as few of its own slots as hold them.
 
     ``entries`` [requests, layers, n] int32: each list entry's global row; ``stays`` (same shape,
     bool): which entries the round keeps; ``slots`` [requests, positions]: each request's
     ``req_to_token`` over the positions its round covers (padded), ``own`` where it may give the
-    slot back (inside its round, past its radix prefix, not a hole). K/V rows are copied on the
+    slot back (inside its round, past its radix prefix, not a hole); ``columns`` bounds the slots
+    any request keeps (its round's cap: no layer keeps more entries). K/V rows are copied on the
     device; fixed shapes throughout but for one host read (how many entries move, how many
     slots each request gives back), so a batch of requests costs one round's launches."""
     requests, num_layers, n = entries.shape
@@ -100,21 +102,22 @@ def pack_rows(
     needed = (kept_per_slot.sum(1, keepdim=True) + num_layers - 1) // num_layers
     # the own slots holding the most kept entries stay, each a column of the rows they offer
     ranked = torch.argsort(torch.where(own, kept_per_slot, -1), dim=1, descending=True, stable=True)
-    first = torch.arange(width, device=device) < needed
-    stay_slot = torch.zeros_like(own).scatter_(1, ranked, first)
+    leading = torch.arange(width, device=device) < needed
+    stay_slot = torch.zeros_like(own).scatter_(1, ranked, leading)
     column = torch.cumsum(stay_slot.long(), 1) - 1
     settled, movers = is_own & stay_slot.gather(1, at), is_own & ~stay_slot.gather(1, at)
     # taken[request, buffer layer, column]: a row holding a kept entry, or no row (past needed)
-    taken = torch.zeros(requests, num_layers, width + 1, dtype=torch.bool, device=device)
+    taken = torch.zeros(requests, num_layers, columns + 1, dtype=torch.bool, device=device)
     request = torch.arange(requests, device=device)[:, None]
     layer_of = torch.where(settled, rows // buffers.slots, 0)
-    taken[request, layer_of, torch.where(settled, column.gather(1, at), width)] = True
-    taken = taken[:, :, :width] | ~first[:, None, :]
+    taken[request, layer_of, torch.where(settled, column.gather(1, at), columns)] = True
+    taken = taken[:, :, :columns] | ~(torch.arange(columns, device=device) < needed)[:, None, :]
     movers = movers.view_as(stays)
     targets = _free_rows_for(movers, taken).view(requests, -1)
-    slot_at_column = torch.zeros(requests, width + 1, dtype=torch.int64, device=device)
-    slot_at_column.scatter_(1, torch.where(stay_slot, column, width), slots)
-    destinations = targets // width * buffers.slots + slot_at_column.gather(1, targets % width)
+    slot_at_column = torch.zeros(requests, columns + 1, dtype=torch.int64, device=device)
+    slot_at_column.scatter_(1, torch.where(stay_slot, column, columns), slots)
+    staying_slot = slot_at_column.gather(1, targets % columns)
+    destinations = targets // columns * buffers.slots + staying_slot
     given_back = own & ~stay_slot
     moving, *freed_counts = torch.cat([movers.sum().view(1), given_back.sum(1)]).tolist()
     at_mover = torch.nonzero_static(movers.flatten(), size=moving).squeeze(1)
