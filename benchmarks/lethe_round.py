@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--context", type=harness.int_list, default=[2048, 8192])
     parser.add_argument(
         "--requests", type=harness.int_list, default=[1, 16],
-        help="requests pruned in one call (rows' batch; a round batches up to ROUND_BATCH)",
+        help="requests pruned in one call (rows' batch; one round batches as many as "
+        "sglang_ext.eviction.ROUND_ENTRIES allows)",
     )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument(

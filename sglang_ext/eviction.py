@@ -69,8 +69,9 @@ class _Extending:
     indices: list[int]
 
 
-# Requests pruned in one batched round at most: bounds its [requests, layers, positions] scratch.
-ROUND_BATCH = 16
+# A batched round's requests x layers x positions at most: its int64 scratch tensors stay at
+# 32 MiB each (18 requests of 8k tokens under 28 layers; one of 128k).
+ROUND_ENTRIES = 1 << 22
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,16 +340,24 @@ class LetheRuntime(PolicyRuntime):
 
     def prune(self, requests: list[StepRequest], lengths: list[int], engine: EngineOps) -> None:
         """A pruning round of each request, request i over its first ``lengths[i]`` positions:
-        the requests of one policy (the same parameters) together, up to ``ROUND_BATCH`` at a
-        time, every layer of each at once on the device (``Lethe.shrink_layers``, then
-        ``_free_union`` or ``_pack_layers``), with three host reads per batch (the lists'
-        lengths, the slots freed, the outcome): a batch costs one round's launches."""
+        the requests of one policy (the same parameters) together, as many at a time as
+        ``ROUND_ENTRIES`` allows, every layer of each at once on the device
+        (``Lethe.shrink_layers``, then ``_free_union`` or ``_pack_layers``), with three host reads
+        per batch (the lists' lengths, the slots freed, the outcome): a batch costs one round's
+        launches."""
         by_policy: dict = {}
         for request, length in zip(requests, lengths, strict=True):
             by_policy.setdefault(request.state.policy, []).append((request, length))
         for members in by_policy.values():
-            for start in range(0, len(members), ROUND_BATCH):
-                self._round(_RoundBatch.of(members[start : start + ROUND_BATCH], self.ctx), engine)
+            batch: list = []
+            for request, length in members:
+                widest = max([length, *(n for _, n in batch)])
+                if batch and (len(batch) + 1) * widest * self.ctx.num_layers > ROUND_ENTRIES:
+                    self._round(_RoundBatch.of(batch, self.ctx), engine)
+                    batch = []
+                batch.append((request, length))
+            if batch:
+                self._round(_RoundBatch.of(batch, self.ctx), engine)
 
     def _round(self, batch: _RoundBatch, engine: EngineOps) -> None:
         own, rows, ranks = batch.policy, batch.rows, self.ctx.ranks

@@ -11,6 +11,7 @@ import pytest
 import torch
 from kernel_cases import DEVICE
 from policy_cases import Cache
+from sglang_ext import eviction
 from sglang_ext.layer_memory import PoolLayoutError, pooled_buffers
 from test_lethe_runtime import HOLE, Pool, runtime_for, step
 
@@ -154,9 +155,13 @@ def test_each_layers_entries_are_counted_and_a_step_attends_their_mean():
     [{}, PER_LAYER, {**PER_LAYER, "pack_layers": False}],
     ids=["one-set", "per-layer-packed", "per-layer-union"],
 )
-def test_a_batched_round_ends_as_each_requests_round_alone(params):
-    """Requests of different lengths, one with a radix prefix, pruned in one batch: the same
-    slots freed, lists, rows, K/V and thresholds as each pruned alone."""
+@pytest.mark.parametrize("round_entries", [None, 1000], ids=["one-batch", "two-batches"])
+def test_a_batched_round_ends_as_each_requests_round_alone(params, round_entries, monkeypatch):
+    """Requests of different lengths, one with a radix prefix, pruned in one call: the same
+    slots freed, lists, rows, K/V and thresholds as each pruned alone, in one batch or (a
+    smaller ``ROUND_ENTRIES``: 3 layers x 299 positions fit once) in two."""
+    if round_entries is not None:
+        monkeypatch.setattr(eviction, "ROUND_ENTRIES", round_entries)
     outcomes = []
     for batched in (True, False):
         cache = Cache(num_layers=3, seq_lens=(300, 140, 60), device=DEVICE)
