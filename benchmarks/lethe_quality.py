@@ -6,8 +6,9 @@ SmolLM2-135M-Instruct's real weights, over a grid of sparse_ratio x recent_ratio
 
 Per configuration: lookup accuracy (benchmarks.lookup_task) over the cases full attention passes;
 greedy agreement with full attention (identical prefix, fraction of equal tokens) on natural-text
-prompts; and the KV each request kept, read from the servers' round log lines (retained over
-positions at a request's last round, averaged over requests).
+prompts; and the KV each request kept and what its decode steps then read, from the servers'
+round log lines (retained slots, and its layers' mean list, over positions at a request's last
+round, averaged over requests).
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ from benchmarks import harness, lookup_task, quality
 from benchmarks.harness import RunInfo
 
 BENCH = "lethe_quality"
-ROUND = re.compile(r"lethe round \d+ of (\w+): (\d+) positions, .* retained (\d+) \(")
+ROUND = re.compile(
+    r"lethe round \d+ of (\w+): (\d+) positions, .* retained (\d+) \(.*"
+    r"retained per layer \[([\d, ]+)\]"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,10 +109,18 @@ def grid(args) -> list[LetheRun]:
     return runs
 
 
-def kept_fraction(log_text: str) -> float | None:
-    """Mean over requests of retained / positions at the request's last round."""
-    last = {m[1]: int(m[3]) / int(m[2]) for m in ROUND.finditer(log_text)}
-    return statistics.fmean(last.values()) if last else None
+def last_round_fractions(log_text: str) -> tuple[float | None, float | None]:
+    """Means over requests, at each request's last round, of the KV it kept (retained slots /
+    positions) and of what a decode step then reads (its layers' mean list / positions)."""
+    last = {}
+    for m in ROUND.finditer(log_text):
+        per_layer = [int(n) for n in m[4].split(",")]
+        positions = int(m[2])
+        last[m[1]] = (int(m[3]) / positions, statistics.fmean(per_layer) / positions)
+    if not last:
+        return None, None
+    kept, attended = zip(*last.values())
+    return statistics.fmean(kept), statistics.fmean(attended)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -133,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     outputs, kept = {}, {}
     for run in runs:
         outputs[run.label] = quality.serve_and_generate(run, args, prompts, cases, log_dir)
-        kept[run.label] = kept_fraction((log_dir / f"quality-{run.label}.log").read_text())
+        kept[run.label] = last_round_fractions((log_dir / f"quality-{run.label}.log").read_text())
 
     reference = outputs[quality.FULL]
     full_passed = [lookup_task.is_correct(c, a) for c, a in zip(cases, reference["answers"])]
@@ -148,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
             "lookup_accuracy_full_passed": sum(judged) / len(judged) if judged else None,
             "greedy_identical_prefix_tokens": statistics.fmean(prefix),
             "greedy_token_match_frac": statistics.fmean(match),
-            "kv_kept_frac": kept[run.label] if run.params else 1.0,
+            "kv_kept_frac": kept[run.label][0] if run.params else 1.0,
+            "attended_frac": kept[run.label][1] if run.params else 1.0,
         }
         for metric, value in metrics.items():
             rows.append(info.row(bench=BENCH, policy=run.label, model_shape=quality.SHAPE,
@@ -168,16 +181,16 @@ def main(argv: list[str] | None = None) -> None:
         f"time, temperature 0; lethe evict_threshold {args.evict_threshold}, max_kv_ratio "
         f"{args.max_kv_ratio}; requests and answers: `{cases_path.name}`",
         "",
-        "| policy | sparse_ratio | recent_ratio | layers' memory | KV kept "
+        "| policy | sparse_ratio | recent_ratio | layers' memory | KV kept | read per step "
         "| lookup (cases full passes) | greedy identical prefix | greedy tokens equal |",
-        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for run, m in table:
         params = run.params or {}
         lines.append(
             f"| {run.policy} | {params.get('sparse_ratio', '–')} | "
             f"{params.get('recent_ratio', '–')} | {_memory(params)} | "
-            f"{_fmt(m['kv_kept_frac'])} | "
+            f"{_fmt(m['kv_kept_frac'])} | {_fmt(m['attended_frac'])} | "
             f"{_fmt(m['lookup_accuracy_full_passed'])} | "
             f"{m['greedy_identical_prefix_tokens']:.1f} | {m['greedy_token_match_frac']:.3f} |"
         )
