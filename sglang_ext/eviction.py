@@ -451,10 +451,11 @@ class LetheRuntime(PolicyRuntime):
         if ranks is not None:
             ranks.agree(stays.to(torch.int32), "the entries a round's requests keep")
         entries = self.layer_rows[:, batch.rows, : keep.shape[2]].transpose(0, 1)
-        caps = max(own.round_cap(length) for length in batch.lengths)  # no layer keeps more
+        # no layer keeps more than its cap, or its sink tokens and recent window past a small cap
+        most = max(own.round_cap(length) for length in batch.lengths) + own.sink_tokens
         packed = pack_rows(
             self.pooled, entries, stays, batch.slots, batch.own, self.ctx.hole_slot,
-            columns=min(caps, batch.slots.shape[1]),
+            columns=min(most, batch.slots.shape[1]),
         )  # fmt: skip
         self.ctx.req_to_token[batch.rows, : packed.slots.shape[1]] = packed.slots.to(torch.int32)
         return _RoundOutcome(stays, packed.freed, packed.freed_counts, packed.entries)

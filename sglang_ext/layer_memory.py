@@ -85,7 +85,7 @@ def pack_rows(
     bool): which entries the round keeps; ``slots`` [requests, positions]: each request's
     ``req_to_token`` over the positions its round covers (padded), ``own`` where it may give the
     slot back (inside its round, past its radix prefix, not a hole); ``columns`` bounds the slots
-    any request keeps (its round's cap: no layer keeps more entries). K/V rows are copied on the
+    any request keeps (no layer of it keeps more entries). K/V rows are copied on the
     device; fixed shapes throughout but for one host read (how many entries move, how many
     slots each request gives back), so a batch of requests costs one round's launches."""
     requests, num_layers, n = entries.shape

@@ -188,3 +188,21 @@ def test_a_batched_round_ends_as_each_requests_round_alone(params, round_entries
     assert freed == freed_alone and len(freed) > 0 and hosts == hosts_alone
     for tensor, alone in zip(state, state_alone, strict=True):
         assert torch.equal(tensor, alone)
+
+
+def test_a_cap_below_the_sinks_and_recent_window_still_packs_every_row_right():
+    """Each layer keeps its sinks and recent window past a tiny cap (more entries than the cap):
+    the rows the request keeps still hold every entry's K/V, one entry a row."""
+    cache = Cache(num_layers=3, seq_lens=(20, 12), device=DEVICE)
+    params = {"sparse_ratio": 1.5, "max_kv_ratio": 0.1, "recent_ratio": 0.9, "sink_tokens": 4}
+    runtime = runtime_for(cache, **params)
+    request = step(cache, runtime, 0)
+    before, _ = rounded(cache, runtime, request)
+    lists = entries(runtime, request.row)
+    assert min(positions.numel() for positions, _ in lists) > runtime.policy.round_cap(19)
+    rows_used = torch.cat([rows for _, rows in lists])
+    assert rows_used.unique().numel() == rows_used.numel()
+    for layer, (positions, rows) in enumerate(lists):
+        keys, values = before[layer]
+        assert torch.equal(runtime.pooled.keys[rows], keys[positions])
+        assert torch.equal(runtime.pooled.values[rows], values[positions])
