@@ -204,9 +204,7 @@ class Lethe(KVPolicy):
         best.scatter_reduce_(2, at, torch.where(keep, share, float("-inf")), "amax")
         best = best[:, :, :width].amax(1)
         union = torch.isfinite(best)
-        caps = [self.round_cap(n) for n in lengths]
-        cap = torch.tensor(caps, device=device)[:, None]
-        recent = torch.tensor([self.recent_window(c) for c in caps], device=device)[:, None]
+        cap, recent = self._caps(lengths, device)
         length = torch.tensor(lengths, device=device)[:, None]
         column = torch.arange(width, device=device)
         capped = (column < length) & ((column < self.sink_tokens) | (column >= length - recent))
@@ -224,10 +222,7 @@ class Lethe(KVPolicy):
         ascending position), each row cut to ``round_cap(lengths[row])`` entries where it kept
         more: its sink tokens and its most recent entries first, then by its own score. On the
         device, without a host sync."""
-        device = scores.device
-        caps = [self.round_cap(n) for n in lengths]
-        cap = torch.tensor(caps, device=device)[:, None]
-        recent = torch.tensor([self.recent_window(c) for c in caps], device=device)[:, None]
+        cap, recent = self._caps(lengths, scores.device)
         kept = keep.sum(1, keepdim=True)
         from_end = kept - torch.cumsum(keep.long(), 1)  # 0 at a layer's last kept entry
         forced = keep & ((positions < self.sink_tokens) | (from_end < recent))
@@ -239,6 +234,12 @@ class Lethe(KVPolicy):
         )
         chosen = (rank < room) & torch.isfinite(candidates)
         return torch.where(kept <= cap, keep, forced | chosen)
+
+    def _caps(self, lengths: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each round's cap and the recent window it keeps first, [len(lengths), 1] on device."""
+        caps = [self.round_cap(n) for n in lengths]
+        recent = [self.recent_window(c) for c in caps]
+        return torch.tensor([caps, recent], device=device).view(2, -1, 1).unbind(0)
 
     def round_cap(self, length: int) -> int:
         """The most positions of ``length`` a round leaves."""
