@@ -68,7 +68,8 @@ def test_lethe_hooks_every_target_and_serves_through_our_backends():
 def test_a_policy_that_does_not_evict_leaves_sglangs_memory_accounting_alone():
     seen = inspect_process("delta")
     memory = {targets.FREE, targets.UNCACHED_SIZES, targets.CACHE_UNFINISHED,
-              targets.PREFILL_ADDER, targets.CHECK_DECODE_MEM, targets.KV_POOL_BUFFERS}  # fmt: skip
+              targets.PREFILL_ADDER, targets.CHECK_DECODE_MEM, targets.SCHEDULE_PREFILL,
+              targets.KV_POOL_BUFFERS}  # fmt: skip
     assert seen["registered"] == sorted(set(targets.ALL) - memory)
 
 

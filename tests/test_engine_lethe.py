@@ -34,8 +34,8 @@ SERVERS = {
         {"evict_threshold": THRESHOLD, "max_kv_ratio": MAX_KV_RATIO, "sparse_ratio": 2.0},
         ["--max-total-tokens", "16384", "--enable-metrics"],
     ),
-    # pools too small for 4 requests x 325 tokens at their full length (3 at 256: 768 > 700)
-    "admit": ({"evict_threshold": 256}, ["--max-total-tokens", "800"]),
+    # pools too small for 4 requests x 325 tokens at their full length, or 3 prompts of 300
+    "admit": ({"evict_threshold": 256}, ["--max-total-tokens", "900"]),
     # an optimistic admission lets all 4 in; the decode memory runs short long before a round
     # is due, so only the relief before retraction can free slots
     "prune": (
@@ -186,11 +186,27 @@ def four_at_once(server, max_new_tokens: int = 300) -> list[dict]:
 
 
 def test_admission_counts_requests_at_their_expected_retained_kv(servers):
-    # At full length (325 tokens) SGLang's own admission runs 2 of them in 800 slots
-    # (measured); counted at lethe's expected 256 tokens, 3 fit.
+    # At full length (325 tokens) SGLang's own admission runs 2 of them in 900 slots; counted at
+    # lethe's expected 256 tokens, 3 fit.
     server = servers["admit"]
     four_at_once(server)
     assert max(int(n) for n in RUNNING.findall(server.log())) >= 3
+    assert "Retract requests" not in server.log()
+    assert_healthy_and_exact(server)
+
+
+def test_slots_a_round_frees_admit_a_waiting_request(servers):
+    # Three 300-token prompts: two fill 900 slots, the third waits. Their first rounds (the next
+    # step: 300 > 256) cut each to about 90 tokens, so the third fits beside them (counted at
+    # their expected 256): it runs with them, not after them.
+    server = servers["admit"]
+    seen = len(server.log())
+    prompts = [f"(story {i}) " + " ".join([STORY] * 15) for i in range(3)]
+    outs = generate(server, prompts, 100)
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == [100] * 3
+    for out in outs:  # each freed most of its prompt at its first round
+        assert int(rounds_of(server, out["meta_info"]["id"])[0][4]) > 150
+    assert max(int(n) for n in RUNNING.findall(server.log()[seen:])) == 3
     assert "Retract requests" not in server.log()
     assert_healthy_and_exact(server)
 

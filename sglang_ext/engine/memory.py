@@ -15,7 +15,15 @@
   fits beside what the running requests may still grow by; under eviction a request never holds
   that much. SGLang's ``PrefillAdder`` (class REPLACE: 0.5.17 has no factory for it) counts each
   request at the runtime's ``admission_tokens`` instead, and each running request at what it may
-  still grow by up to that. SGLang's own reservation logic is kept: only the counts change.
+  still grow by up to that. SGLang's own reservation logic is kept: only the counts change. A
+  request that evicts is counted at all of that growth, where SGLang scales a running request's
+  by its optimistic ``new_token_ratio`` (requests may stop early): the rounds bound it, and
+  retracting a request whose KV they already cut re-prefills its whole context. A
+  ``--schedule-conservativeness`` below 1 (the user asking for optimism) scales it.
+- **Admission reopened by rounds**: once a request did not fit, SGLang stops trying its queue
+  (``batch_is_full``) until a running request finishes or is retracted, since memory otherwise
+  only grows; rounds free slots mid-flight (a long prompt loses most of its KV at its first
+  round), so slots freed since the scheduler's last try open its queue again.
 - **Decode memory**: when the next decode step does not fit, the runtime frees what it can
   (``relieve_memory``: Lethe's rounds now) before SGLang retracts anything.
 - **One buffer for the pool's layers** (``KVPolicy.pools_layer_rows``: Lethe's per-layer memory):
@@ -60,6 +68,7 @@ def keep_prompt_own(cache_unfinished, req, tree_cache, **kwargs):
 def budget_prefill_adder() -> type:
     """SGLang's PrefillAdder, counting requests at the runtime's ``admission_tokens``."""
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, PrefillAdder
+    from sglang.srt.server_args import get_global_server_args
 
     def admission_tokens(req, total: int) -> int:
         runtime = process_runtime()
@@ -76,8 +85,10 @@ def budget_prefill_adder() -> type:
             state = requests.state_of(req)
             held = len(req.origin_input_ids) + len(req.output_ids)
             held -= state.evicted if state is not None else 0
-            growth = max(0, admission_tokens(req, total) - held)
-            return min(growth, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
+            growth = min(max(0, admission_tokens(req, total) - held), CLIP_MAX_NEW_TOKENS)
+            if state is not None and state.evicts:  # bounded by its rounds
+                return growth * min(1.0, get_global_server_args().schedule_conservativeness)
+            return growth * self.new_token_ratio
 
         def add_one_req(self, req, *args, **kwargs):
             # SGLang reads max_new_tokens here only to budget; it sees the expected growth
@@ -93,6 +104,17 @@ def budget_prefill_adder() -> type:
                 params.max_new_tokens = requested
 
     return BudgetPrefillAdder
+
+
+_FREED_SEEN = "sglang_ext_freed_seen"  # on the Scheduler: rounds' freed slots at its last try
+
+
+def reopen_admission(scheduler, running_batch, *args, **kwargs):
+    runtime = process_runtime()
+    freed = runtime.stats.freed_slots if runtime is not None else 0
+    if freed != getattr(scheduler, _FREED_SEEN, 0):
+        setattr(scheduler, _FREED_SEEN, freed)
+        running_batch.batch_is_full = False  # the adder's counts decide what fits now
 
 
 def relieve_before_retracting(check, batch, *args, **kwargs):
@@ -138,6 +160,7 @@ def register(hooks) -> None:
     hooks.register(targets.CACHE_UNFINISHED, keep_prompt_own, HookType.AROUND)
     hooks.register(targets.PREFILL_ADDER, budget_prefill_adder(), HookType.REPLACE)
     hooks.register(targets.CHECK_DECODE_MEM, relieve_before_retracting, HookType.AROUND)
+    hooks.register(targets.SCHEDULE_PREFILL, reopen_admission, HookType.BEFORE)
 
 
 def register_layer_pool(hooks) -> None:
