@@ -34,8 +34,8 @@ SERVERS = {
         {"evict_threshold": THRESHOLD, "max_kv_ratio": MAX_KV_RATIO, "sparse_ratio": 2.0},
         ["--max-total-tokens", "16384", "--enable-metrics"],
     ),
-    # pools too small for 4 requests x 325 tokens at their full length, or 3 prompts of 300
-    "admit": ({"evict_threshold": 256}, ["--max-total-tokens", "900"]),
+    # pools too small for 4 requests x 325 tokens at their full length
+    "admit": ({"evict_threshold": 256}, ["--max-total-tokens", "830"]),
     # an optimistic admission lets all 4 in; the decode memory runs short long before a round
     # is due, so only the relief before retraction can free slots
     "prune": (
@@ -186,7 +186,7 @@ def four_at_once(server, max_new_tokens: int = 300) -> list[dict]:
 
 
 def test_admission_counts_requests_at_their_expected_retained_kv(servers):
-    # At full length (325 tokens) SGLang's own admission runs 2 of them in 900 slots; counted at
+    # At full length (325 tokens) SGLang's own admission runs 2 of them in 830 slots; counted at
     # lethe's expected 256 tokens, 3 fit.
     server = servers["admit"]
     four_at_once(server)
@@ -196,16 +196,28 @@ def test_admission_counts_requests_at_their_expected_retained_kv(servers):
 
 
 def test_slots_a_round_frees_admit_a_waiting_request(servers):
-    # Three 300-token prompts: two fill 900 slots, the third waits. Their first rounds (the next
-    # step: 300 > 256) cut each to about 90 tokens, so the third fits beside them (counted at
-    # their expected 256): it runs with them, not after them.
+    # A decodes, counted at its expected 256 of 830 slots. B and C, 300-token prompts, arrive
+    # together: B fits, C does not (301 > 830 - 256 - 301), and SGLang stops trying its queue.
+    # B's first round, its next step, frees most of its prompt (then counted at its expected
+    # 256 too): C fits beside A and B, and runs with them rather than once B has finished.
     server = servers["admit"]
     seen = len(server.log())
-    prompts = [f"(story {i}) " + " ".join([STORY] * 15) for i in range(3)]
-    outs = generate(server, prompts, 100)
-    assert [o["meta_info"]["completion_tokens"] for o in outs] == [100] * 3
-    for out in outs:  # each freed most of its prompt at its first round
-        assert int(rounds_of(server, out["meta_info"]["id"])[0][4]) > 150
+    sampling = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+    body = {"text": STORY, "stream": True, "sampling_params": sampling}
+    with requests.post(f"{server.url}/generate", json=body, stream=True, timeout=300) as first:
+        lines = first.iter_lines()  # one iterator: a dropped one closes the stream (an abort)
+        next(line for line in lines if line.startswith(b"data:"))  # A decodes
+        prompts = [[100 + (37 * (j + 300 * i)) % 40000 for j in range(300)] for i in range(2)]
+        sampling = {**sampling, "max_new_tokens": 100}
+        response = requests.post(
+            f"{server.url}/generate", json={"input_ids": prompts, "sampling_params": sampling},
+            timeout=300,
+        )  # fmt: skip
+        assert sum(1 for line in lines if line.startswith(b"data:")) > 1  # A to its end
+    response.raise_for_status()
+    outs = response.json()
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == [100, 100]
+    assert int(rounds_of(server, outs[0]["meta_info"]["id"])[0][4]) > 150
     assert max(int(n) for n in RUNNING.findall(server.log()[seen:])) == 3
     assert "Retract requests" not in server.log()
     assert_healthy_and_exact(server)
