@@ -142,10 +142,11 @@ def main(argv: list[str] | None = None) -> None:
     runs = grid(args)
     log_dir = args.log_dir or args.out_dir
     info = RunInfo.detect()
-    outputs, kept = {}, {}
+    outputs, fractions = {}, {}
     for run in runs:
         outputs[run.label] = quality.serve_and_generate(run, args, prompts, cases, log_dir)
-        kept[run.label] = last_round_fractions((log_dir / f"quality-{run.label}.log").read_text())
+        log_text = (log_dir / f"quality-{run.label}.log").read_text()
+        fractions[run.label] = last_round_fractions(log_text)
 
     reference = outputs[quality.FULL]
     full_passed = [lookup_task.is_correct(c, a) for c, a in zip(cases, reference["answers"])]
@@ -160,8 +161,8 @@ def main(argv: list[str] | None = None) -> None:
             "lookup_accuracy_full_passed": sum(judged) / len(judged) if judged else None,
             "greedy_identical_prefix_tokens": statistics.fmean(prefix),
             "greedy_token_match_frac": statistics.fmean(match),
-            "kv_kept_frac": kept[run.label][0] if run.params else 1.0,
-            "attended_frac": kept[run.label][1] if run.params else 1.0,
+            "kv_kept_frac": fractions[run.label][0] if run.params else 1.0,
+            "attended_frac": fractions[run.label][1] if run.params else 1.0,
         }
         for metric, value in metrics.items():
             rows.append(info.row(bench=BENCH, policy=run.label, model_shape=quality.SHAPE,
