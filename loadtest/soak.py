@@ -1,4 +1,4 @@
-"""Soak: a CPU server of several policies (``--policy lethe,delta,tidal,full``: Lethe with rounds
+"""Soak: a server of several policies (``--policy lethe,delta,tidal,full``: Lethe with rounds
 from ``--evict-threshold`` tokens, DELTA and Tidal at budgets the prompts pass), its KV
 conservation checks strict, loaded by locust (loadtest/locustfile.py: streaming /generate and
 chat, each request one of the policies, a fraction of /generate requests aborted on purpose) for
@@ -7,6 +7,11 @@ tracebacks, and no request may have failed that was not aborted on purpose.
 
     python -m loadtest.soak --duration 10m --results-md benchmarks/RESULTS.md   # the long one
     python -m loadtest.soak --duration 60s                                    # CI's (tests/)
+    python -m loadtest.soak --duration 10m --users 32 --prompt-words 256,2048 \\
+        --max-tokens 64,512 -- --cuda-graph-max-bs 64                        # on a GPU host
+
+On the CPU the server runs in float32 with one thread per op (the CPU engine's settings); on a
+GPU host in the model's dtype with CUDA graphs. Flags after ``--`` go to the server.
 
 Writes locust's CSVs and HTML and a JSON summary under --out-dir; exits 1 on a failed check.
 """
@@ -14,7 +19,6 @@ Writes locust's CSVs and HTML and a JSON summary under --out-dir; exits 1 on a f
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
@@ -22,6 +26,9 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch
+
+from benchmarks.harness import RunInfo
 from loadtest import driver
 from sglang_ext.engine_process import EngineServer, engine_env, free_port
 
@@ -42,10 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--users", type=int, default=6)
     parser.add_argument("--abort-fraction", type=float, default=0.2)
     parser.add_argument("--evict-threshold", type=int, default=128)
+    parser.add_argument("--prompt-words", default="32,256", help="LOADTEST_PROMPT_WORDS")
+    parser.add_argument("--max-tokens", default="16,64", help="LOADTEST_MAX_TOKENS")
     parser.add_argument("--locust", default=os.environ.get("LOCUST") or shutil.which("locust"),
                         help="the locust executable (default: $LOCUST, else on PATH)")  # fmt: skip
     parser.add_argument("--out-dir", type=Path, default=HERE / "results" / "soak")
     parser.add_argument("--results-md", type=Path, default=None, help="append a section here")
+    parser.add_argument("server_args", nargs="*", help="after --: flags for the server")
     return parser
 
 
@@ -60,29 +70,39 @@ def run(args) -> dict:
     if not args.locust:
         raise SystemExit("--locust: no locust executable (pip install locust, or pass its path)")
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    info = RunInfo.detect()
     port = free_port()
     env = engine_env()
     env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"] = "1"
     env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] = "1"
-    env["OMP_NUM_THREADS"] = "1"
     argv = [
         sys.executable, "-m", "sglang_ext.launch", "--policy", POLICY,
         "--policy-config", json.dumps(policy_config(args.evict_threshold)),
-        "--port", str(port), "--dtype", "float32", "--enable-metrics", "--log-level", "info",
+        "--port", str(port), "--enable-metrics", "--log-level", "info",
     ]  # fmt: skip
+    if not torch.cuda.is_available():
+        env["OMP_NUM_THREADS"] = "1"
+        argv += ["--dtype", "float32"]
+    argv += args.server_args
     log_path = args.out_dir / "server.log"
     with EngineServer(argv, env, log_path, port) as server:
         server.wait_ready()
-        mix = {"LOADTEST_ABORT_FRACTION": str(args.abort_fraction), "LOADTEST_KV_POLICIES": json.dumps(KV_POLICIES)}
+        (args.out_dir / "server_url").write_text(server.url)  # for a watcher (loadtest/gpu_soak.sh)
+        mix = {
+            "LOADTEST_ABORT_FRACTION": str(args.abort_fraction),
+            "LOADTEST_KV_POLICIES": json.dumps(KV_POLICIES),
+            "LOADTEST_PROMPT_WORDS": args.prompt_words, "LOADTEST_MAX_TOKENS": args.max_tokens,
+        }  # fmt: skip
         loaded_s = driver.run_locust(args.locust, server.url, args.out_dir, args.users, args.duration, mix)
         after = driver.settle(server)
     totals = driver.read_stats(args.out_dir / "locust_stats.csv")
     requested = {k: v for k, v in totals.items() if driver.is_request(k)}
     summary = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": info.date, "device": info.device, "sglang": info.sglang_version,
         "duration": args.duration, "load_seconds": round(loaded_s, 1), "users": args.users,
         "abort_fraction": args.abort_fraction, "policy": POLICY, "kv_policies": KV_POLICIES,
-        "evict_threshold": args.evict_threshold,
+        "evict_threshold": args.evict_threshold, "prompt_words": args.prompt_words,
+        "max_tokens": args.max_tokens, "server_args": args.server_args,
         "requests": sum(v["requests"] for v in requested.values()),
         "failed": sum(v["failures"] for v in requested.values()),
         "aborted_on_purpose": sum(v["requests"] for k, v in totals.items() if "ABORTED" in k),
@@ -104,9 +124,11 @@ def results_section(summary: dict, command: str) -> str:
     keys = ["requests", "failed", "aborted_on_purpose", "eviction_rounds", "selected", "healthy_after",
             "leak_or_traceback_in_log", "passed"]  # fmt: skip
     return "\n".join([
-        f"## soak · {summary['policy']} · CPU ({os.cpu_count()} cores) · {summary['date']}", "",
+        f"## soak · {summary['policy']} · {summary['device']} · {summary['date']}", "",
         f"- command: `{command}`",
-        f"- {summary['users']} locust users for {summary['duration']} ({summary['load_seconds']} s), "
+        f"- sglang {summary['sglang']}; {summary['users']} locust users for {summary['duration']} "
+        f"({summary['load_seconds']} s), prompts of {summary['prompt_words']} words, "
+        f"{summary['max_tokens']} tokens at most, "
         f"{summary['abort_fraction']:.0%} of /generate aborted on purpose, per-request kv_policy mix "
         f"{json.dumps(summary['kv_policies'])}, policy config "
         f"{json.dumps(policy_config(summary['evict_threshold']))}, "
