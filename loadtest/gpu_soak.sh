@@ -21,7 +21,7 @@ follow() {  # until the soak ends or $1 seconds pass; every 60 s a line of its l
       echo "soak: /health did not answer in 20 s at ${SECONDS}s: stack dumps to $dir/stacks.txt"
       for pid in $(pgrep -f "sglang"); do py-spy dump --pid "$pid" >> "$dir/stacks.txt" 2>&1 || true; done
     fi
-    echo "soak at ${SECONDS}s: $(grep -c 'Decode batch' "$dir/server.log" 2>/dev/null || echo 0) decode logs"
+    echo "soak at ${SECONDS}s: $(cat "$dir/server.log" 2>/dev/null | grep -c 'Decode batch') decode logs"
   done
 }
 case "${1:-}" in
@@ -38,6 +38,10 @@ case "${1:-}" in
     follow 560
     if pgrep -f "loadtest[.]soak" >/dev/null; then echo "soak: still running" >&2; exit 1; fi
     tail -n 40 "$dir/soak.log"
-    mkdir -p "${OUT:-/tmp/out}" && cp -r "$dir" "${OUT:-/tmp/out}/" ;;
+    # a device call brings back at most 8 files: these
+    mkdir -p "${OUT:-/tmp/out}/soak-gpu"
+    for f in summary.json RESULTS.md locust_stats.csv server.log soak.log stacks.txt; do
+      if [[ -f $dir/$f ]]; then cp "$dir/$f" "${OUT:-/tmp/out}/soak-gpu/"; fi
+    done ;;
   *) echo "usage: $0 start|wait" >&2; exit 2 ;;
 esac

@@ -26,6 +26,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import requests
 import torch
 
 from benchmarks.harness import RunInfo
@@ -41,6 +42,7 @@ KV_POLICIES = [
 ]  # fmt: skip
 ROUND = re.compile(r"lethe round \d+ of")
 SELECTED = re.compile(r"sglang_ext: (\w+) layer \d+ first selected fewer")
+ATTENDED = "sglang_ext:attended_tokens_per_step"  # a histogram, labelled by each request's policy
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +66,24 @@ def policy_config(evict_threshold: int) -> dict:
         "lethe": {"evict_threshold": evict_threshold},
         "delta": {"budget_pages": 4, "recent_pages": 1}, "tidal": {"budget_tokens": 64},
     }  # fmt: skip
+
+
+def decoded_by_policy(metrics: str) -> dict[str, dict]:
+    """From the server's /metrics: per policy, the decode steps its requests ran (one per request
+    and step) and the tokens such a step attended on average (over layers). Unlike the selection
+    log line, which only a step outside a CUDA graph writes, this counts every step."""
+    totals: dict[str, dict] = {}
+    for part in ("count", "sum"):
+        sample = rf"^{re.escape(ATTENDED)}_{part}{{([^}}]*)}} (\S+)$"
+        for labels, value in re.findall(sample, metrics, re.M):
+            policy = re.search(r'policy="([^"]*)"', labels).group(1)
+            entry = totals.setdefault(policy, {"count": 0.0, "sum": 0.0})
+            entry[part] += float(value)
+    return {
+        policy: {"request_steps": int(n), "mean_attended_tokens": round(t["sum"] / n, 1)}
+        for policy, t in sorted(totals.items())
+        if (n := t["count"])
+    }
 
 
 def run(args) -> dict:
@@ -95,6 +115,7 @@ def run(args) -> dict:
         }  # fmt: skip
         loaded_s = driver.run_locust(args.locust, server.url, args.out_dir, args.users, args.duration, mix)
         after = driver.settle(server)
+        metrics = requests.get(f"{server.url}/metrics", headers=server.headers, timeout=60).text
     totals = driver.read_stats(args.out_dir / "locust_stats.csv")
     requested = {k: v for k, v in totals.items() if driver.is_request(k)}
     summary = {
@@ -108,6 +129,7 @@ def run(args) -> dict:
         "aborted_on_purpose": sum(v["requests"] for k, v in totals.items() if "ABORTED" in k),
         "eviction_rounds": len(ROUND.findall(after["log"])),
         "selected": sorted(set(SELECTED.findall(after["log"]))),  # policies whose budget bit
+        "decoded_by_policy": decoded_by_policy(metrics),
         "healthy_after": after["healthy_after"],
         "leak_or_traceback_in_log": after["leak_or_traceback_in_log"],
         "entries": totals,
@@ -115,6 +137,7 @@ def run(args) -> dict:
     summary["passed"] = (
         summary["failed"] == 0 and summary["healthy_after"] and not summary["leak_or_traceback_in_log"]
         and summary["requests"] > 0 and summary["eviction_rounds"] > 0
+        and set(POLICY.split(",")) <= set(summary["decoded_by_policy"])  # each one decoded
     )  # fmt: skip
     (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
@@ -123,6 +146,7 @@ def run(args) -> dict:
 def results_section(summary: dict, command: str) -> str:
     keys = ["requests", "failed", "aborted_on_purpose", "eviction_rounds", "selected", "healthy_after",
             "leak_or_traceback_in_log", "passed"]  # fmt: skip
+    decoded = summary["decoded_by_policy"]
     return "\n".join([
         f"## soak · {summary['policy']} · {summary['device']} · {summary['date']}", "",
         f"- command: `{command}`",
@@ -135,6 +159,11 @@ def results_section(summary: dict, command: str) -> str:
         "SGLang's strict KV checks on",
         "", "| " + " | ".join(keys) + " |", "|" + " ---: |" * len(keys),
         "| " + " | ".join(str(summary[k]) for k in keys) + " |", "",
+        "| policy | request decode steps | mean tokens attended per step |",
+        "| --- | ---: | ---: |",
+        *(f"| {name} | {d['request_steps']} | {d['mean_attended_tokens']} |"
+          for name, d in decoded.items()),
+        "",
     ])  # fmt: skip
 
 

@@ -22,3 +22,4 @@ def test_a_minute_of_load_with_aborts_and_eviction(tmp_path):
     assert summary["failed"] == 0 and summary["requests"] >= 10
     assert summary["aborted_on_purpose"] >= 1 and summary["eviction_rounds"] >= 1
     assert summary["selected"] == ["delta", "tidal"]  # their requests shared the batches
+    assert sorted(summary["decoded_by_policy"]) == ["delta", "full", "lethe", "tidal"]
