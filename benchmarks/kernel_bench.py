@@ -30,7 +30,7 @@ from benchmarks.harness import Row, RunInfo
 
 BENCH = "kernel_bench"
 PAGE = 16
-PARTS = ("layers", "rank", "sparse", "tune", "balance")
+PARTS = ("layers", "rank", "sparse", "tune")
 
 
 def build_parser():
@@ -44,8 +44,7 @@ def build_parser():
         help="which rows: layers (per-layer and per-step times, floors), rank (the selection "
         "step's top-k), sparse (our sparse kernel against FlashInfer's paged decode), tune "
         "(split-KV stage 1's tile, warps and pipeline stages; the selection scores' tile and "
-        "warps), balance (split-KV with each row's split count fixed against the batch's tokens "
-        "balanced over the GPU, on uniform rows and on a mix member's half-empty batch)",
+        "warps)",
     )  # fmt: skip
     return parser
 
@@ -227,8 +226,6 @@ def measure_point(cfg, batch, context, args, bandwidth, info) -> list[Row]:
         rows += rank_rows(inputs, args.budget_tokens, width, point, info)
     if "sparse" in args.parts:
         rows += sparse_kernel_rows(inputs, args.budget_tokens, point, info)
-    if "balance" in args.parts:
-        rows += balance_rows(inputs, args.budget_tokens, point, info)
     if "tune" in args.parts:
         rows += stage1_tuning_rows(inputs, args.budget_tokens, point, info)
         rows += scores_tuning_rows(inputs, point, info)
@@ -257,59 +254,6 @@ def scores_tuning_rows(inputs, point: dict, info) -> list[Row]:
         default = (block_t, warps) == (sa.SCORES_BLOCK_T, sa.SCORES_WARPS)
         metric = f"scores_ms:t{block_t}-w{warps}" + ("*" if default else "")
         rows.append(info.row(**point, policy="delta", metric=metric, value=time_ms(run)))
-    return rows
-
-
-def balance_rows(inputs, budget_tokens: int, point: dict, info) -> list[Row]:
-    """Our split-KV kernel with the splits fixed per row (``num_kv_splits_for``: the count a
-    batch size gets, whatever its rows hold) against balanced over the batch's tokens, on row
-    lengths as the engine's layers see them: ``whole`` every row its whole context (a selection
-    layer), ``sparse`` every row ``budget_tokens`` through a slot table (a sparse layer);
-    ``-half`` the same with every other row one token long (a member's view of a 50/50 mix);
-    ``retained+selected`` every other row a third of its context (Lethe's retained set) and the
-    rest ``budget_tokens`` (both members in one call). ``balance_ms:<rows>:<splits>``; balanced
-    at the fixed rule's programs per SM and at twice that (``balanced2x``)."""
-    from sglang_ext.kernels import split_kv_decode as skv
-
-    batch, q_heads, dim = inputs.q.shape
-    kv_heads, context = inputs.k.shape[1], inputs.context
-    budget = min(budget_tokens, context)
-    every_other = torch.arange(batch, device="cuda") % 2 == 1
-
-    def lengths(even: int, odd: int) -> torch.Tensor:
-        return torch.where(every_other, odd, even).to(torch.int32)
-
-    table = inputs.req_to_token  # the first `budget` positions of each row stand for a selection
-    patterns = {
-        "whole": (inputs.seq_lens, context, skv.PROGRAMS_PER_SM),
-        "whole-half": (lengths(context, 1), context, skv.PROGRAMS_PER_SM),
-        "sparse": (lengths(budget, budget), budget, skv.SHORT_LIST_PROGRAMS_PER_SM),
-        "sparse-half": (lengths(budget, 1), budget, skv.SHORT_LIST_PROGRAMS_PER_SM),
-        "retained+selected": (lengths(context // 3, budget), context, skv.PROGRAMS_PER_SM),
-    }
-    out = torch.empty_like(inputs.q)
-    rows = []
-    for name, (seq_lens, most, per_sm) in patterns.items():
-        args = (inputs.q, inputs.k, inputs.v, table, inputs.rows, seq_lens, inputs.scale)
-        results = {}
-        kinds = {
-            "fixed": (False, per_sm), "balanced": (True, per_sm), "balanced2x": (True, 2 * per_sm)
-        }
-        for kind, (balanced, programs) in kinds.items():
-            workspace = skv.SplitKVWorkspace(
-                batch, q_heads, kv_heads, dim, most, "cuda", programs_per_sm=programs,
-                balanced=balanced,
-            )  # fmt: skip
-
-            def run(workspace=workspace, args=args):
-                skv.split_kv_decode(*args, workspace=workspace, out=out)
-
-            metric = f"balance_ms:{name}:{kind}"
-            rows.append(info.row(**point, policy="split_kv", metric=metric, value=time_ms(run)))
-            results[kind] = out.clone()
-        # the same attention, or the timing compares different work
-        for kind in ("balanced", "balanced2x"):
-            torch.testing.assert_close(results["fixed"], results[kind], atol=2e-2, rtol=2e-2)
     return rows
 
 

@@ -26,7 +26,6 @@ PROGRAMS_PER_SM = 4
 # the 16 of four programs per SM take 19.2; whole-cache reads are flat from 4 programs per SM on.
 SHORT_LIST_PROGRAMS_PER_SM = 2
 MAX_KV_SPLITS = 128
-_MAX_ROW_SPLITS = tl.constexpr(MAX_KV_SPLITS)
 # Triton's interpreter multiplies bf16 tl.dot operands as raw uint16 bits (triton 3.8), so under it
 # the dots run on fp32 copies; compiled kernels keep native-dtype tensor-core dots.
 _DOT_IN_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -47,36 +46,6 @@ class Stage1Launch:
 # (32, 4, 2); over scattered selected pages 32-token tiles with 3 stages are best.
 STAGE1_WHOLE = Stage1Launch(block_n=64, num_warps=4, num_stages=3)
 STAGE1_SELECTED = Stage1Launch(block_n=32, num_warps=4, num_stages=3)
-
-
-@triton.jit
-def _balanced_plan(
-    SeqLens, NumSelected, batch, target, SELECTED_SPAN: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_B: tl.constexpr, MAX_ROW_SPLITS: tl.constexpr,
-):
-    """The balanced split order, recomputed by every program of both stages from the batch's
-    lengths on the device: about ``target`` splits over all rows, each row's as long as its
-    tokens need (an empty row none), at most MAX_ROW_SPLITS a row. Returns per row [BLOCK_B]:
-    its tokens, tokens per split (a multiple of BLOCK_N), splits and their inclusive end in the
-    flat order. The splits sum to at most target + batch (each row rounds up once)."""
-    offs_b = tl.arange(0, BLOCK_B)
-    in_batch = offs_b < batch
-    if SELECTED_SPAN > 0:
-        lengths = tl.load(NumSelected + offs_b, mask=in_batch, other=0).to(tl.int32)
-        lengths = lengths * SELECTED_SPAN
-    else:
-        lengths = tl.load(SeqLens + offs_b, mask=in_batch, other=0).to(tl.int32)
-    total = tl.sum(lengths, 0)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(total, target), BLOCK_N) * BLOCK_N, BLOCK_N)
-    row_floor = tl.cdiv(tl.cdiv(lengths, MAX_ROW_SPLITS), BLOCK_N) * BLOCK_N
-    splits = tl.cdiv(lengths, tl.maximum(row_floor, chunk))
-    per_split = tl.cdiv(tl.cdiv(lengths, tl.maximum(splits, 1)), BLOCK_N) * BLOCK_N
-    return lengths, per_split, splits, tl.cumsum(splits, 0)
-
-
-@triton.jit
-def _pick(values, offs_b, row):
-    return tl.sum(tl.where(offs_b == row, values, 0), 0)
 
 
 @triton.jit
@@ -112,7 +81,6 @@ def _stage1(
     stride_lg_h,
     logits_len,
     num_splits,
-    num_rows,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -123,29 +91,10 @@ def _stage1(
     STORE_LOGITS: tl.constexpr,
     RAGGED_LOGITS: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
-    BALANCED: tl.constexpr,
-    BLOCK_B: tl.constexpr,
 ):
+    batch = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
-    if BALANCED:  # program 0-axis p is the p-th split of the flat order; num_splits its target
-        flat = tl.program_id(0)
-        offs_b = tl.arange(0, BLOCK_B)
-        lengths, per_splits, splits, ends = _balanced_plan(
-            SeqLens, NumSelected, num_rows, num_splits, SELECTED_SPAN, BLOCK_N, BLOCK_B,
-            _MAX_ROW_SPLITS,
-        )  # fmt: skip
-        row = tl.sum((ends <= flat).to(tl.int32), 0)  # rows whose splits all come before p
-        has_work = row < num_rows
-        row = tl.minimum(row, num_rows - 1)
-        split = flat - (_pick(ends, offs_b, row) - _pick(splits, offs_b, row))
-        per_split = _pick(per_splits, offs_b, row)
-        batch = row.to(tl.int64)
-        mid_row = flat.to(tl.int64)
-    else:
-        batch = tl.program_id(0).to(tl.int64)
-        split = tl.program_id(2)
-        has_work = split < num_splits  # every program of the fixed grid
-        mid_row = batch
+    split = tl.program_id(2)
 
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < GROUP
@@ -164,8 +113,7 @@ def _stage1(
             selected_row = Selected + batch * stride_sel
     else:
         length = seq_len
-    if not BALANCED:
-        per_split = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
     start = per_split * split
     if STORE_LOGITS:
         # a ragged row starts at its offset in one long row per head; a dense one at its stride
@@ -175,7 +123,7 @@ def _stage1(
         else:
             logits_row = batch * stride_lg_b
             logits_end = logits_len
-    end = tl.where(has_work, tl.minimum(start + per_split, length), start)
+    end = tl.minimum(start + per_split, length)
 
     q = tl.load(
         Q + batch * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -231,17 +179,15 @@ def _stage1(
         e_sum = e_sum * rescale + tl.sum(p, 1)
         e_max = new_max
 
-    mid_split = 0 if BALANCED else split
-    mid = mid_row * stride_mid_b + heads * stride_mid_h + mid_split * stride_mid_s
+    mid = batch * stride_mid_b + heads * stride_mid_h + split * stride_mid_s
     has_tokens = e_sum > 0
     tl.store(
         MidO + mid[:, None] + offs_d[None, :],
         acc / tl.where(has_tokens, e_sum, 1.0)[:, None],
-        mask=mask_h[:, None] & mask_d[None, :] & has_work,
+        mask=mask_h[:, None] & mask_d[None, :],
     )
     lse = tl.where(has_tokens, e_max + tl.log(tl.where(has_tokens, e_sum, 1.0)), float("-inf"))
-    lse_at = MidLse + mid_row * stride_lse_b + heads * stride_lse_h + mid_split
-    tl.store(lse_at, lse, mask=mask_h & has_work)
+    tl.store(MidLse + batch * stride_lse_b + heads * stride_lse_h + split, lse, mask=mask_h)
 
 
 @triton.jit
@@ -292,75 +238,6 @@ def _stage2(
     )
 
 
-@triton.jit
-def _stage2_balanced(
-    MidO,
-    MidLse,
-    Out,
-    Lse,
-    SeqLens,
-    NumSelected,
-    num_rows,
-    target,
-    stride_mid_p,
-    stride_mid_h,
-    stride_lse_p,
-    stride_lse_h,
-    stride_ob,
-    stride_oh,
-    num_heads,
-    SELECTED_SPAN: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    """Stage 2 of the balanced order: a row's splits are consecutive in the flat order, as
-    many as its tokens needed; merged BLOCK_S at a time by a running LSE."""
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_b = tl.arange(0, BLOCK_B)
-    _, _, splits, ends = _balanced_plan(
-        SeqLens, NumSelected, num_rows, target, SELECTED_SPAN, BLOCK_N, BLOCK_B, _MAX_ROW_SPLITS
-    )
-    count = _pick(splits, offs_b, row)
-    first = _pick(ends, offs_b, row) - count
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    top = tl.full([], float("-inf"), tl.float32)
-    total = tl.zeros([], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, count, BLOCK_S):
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        mask_s = offs_s < count
-        at = (first + offs_s).to(tl.int64)
-        split_lse = tl.load(
-            MidLse + at * stride_lse_p + head * stride_lse_h, mask=mask_s, other=float("-inf")
-        )
-        split_out = tl.load(
-            MidO + at[:, None] * stride_mid_p + head * stride_mid_h + offs_d[None, :],
-            mask=mask_s[:, None] & mask_d[None, :],
-            other=0.0,
-        )
-        new_top = tl.maximum(top, tl.max(split_lse, 0))
-        shift = tl.where(new_top == float("-inf"), 0.0, new_top)
-        rescale = tl.exp(top - shift)
-        weight = tl.exp(split_lse - shift)
-        acc = acc * rescale + tl.sum(weight[:, None] * split_out, 0)
-        total = total * rescale + tl.sum(weight, 0)
-        top = new_top
-    safe_total = tl.where(total > 0, total, 1.0)
-    tl.store(
-        Out + row.to(tl.int64) * stride_ob + head * stride_oh + offs_d,
-        (acc / safe_total).to(Out.dtype.element_ty),
-        mask=mask_d,
-    )
-    tl.store(
-        Lse + row * num_heads + head, tl.where(total > 0, top + tl.log(safe_total), float("-inf"))
-    )
-
-
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -379,59 +256,39 @@ def num_kv_splits_for(
     return min(triton.next_power_of_2(max(1, min(wanted, useful))), MAX_KV_SPLITS)
 
 
-def balanced_target(num_kv_heads: int, device, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
-    """Splits per KV head the balanced order aims at: ``programs_per_sm`` programs on every SM
-    over the whole batch, however its tokens fall on its rows."""
-    return triton.cdiv(programs_per_sm * _num_sms(torch.device(device)), num_kv_heads)
-
-
 class SplitKVWorkspace:
     """split_kv_decode's scratch for one layer shape, owned up front: each split's partial output
-    and LSE for batches up to ``max_batch``, and the merged LSE. A call takes views of it, so
-    decode allocates nothing. By default the splits are balanced: the batch's tokens are cut
-    into about ``balanced_target`` equal splits on the device, each row getting as many as its
-    length needs (a mix's rows differ by far: a Lethe row's retained third, a DELTA row's
-    selection, another member's one-token rows). ``balanced=False`` gives every row the same
-    count, ``num_kv_splits_for``'s (``programs_per_sm`` is its), or ``num_splits`` at every
-    batch (ART's kernel takes its count as a compile-time constant)."""
+    and LSE for batches up to ``max_batch`` at the split counts ``num_kv_splits_for`` picks, and
+    the merged LSE. A call takes views of it, so decode allocates nothing. ``num_splits`` fixes
+    one split count for every batch (ART's kernel takes its count as a compile-time constant);
+    ``programs_per_sm`` is num_kv_splits_for's."""
 
     def __init__(
         self, max_batch, num_q_heads, num_kv_heads, head_dim, max_tokens, device, num_splits=None,
-        programs_per_sm=PROGRAMS_PER_SM, balanced=None,
+        programs_per_sm=PROGRAMS_PER_SM,
     ):  # fmt: skip
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.max_tokens, self.device = max_tokens, torch.device(device)
-        self.balanced = num_splits is None if balanced is None else balanced
-        assert not (self.balanced and num_splits), "a balanced order picks each row's count"
-        if self.balanced:
-            self.target = balanced_target(num_kv_heads, device, programs_per_sm)
-            # one entry per split of the flat order: at most target + batch (see _balanced_plan)
-            self.splits = [0] + [1] * max_batch
-            most = self.target + max_batch
-        else:
-            per_sm = programs_per_sm
-            self.splits = [0] + [
-                num_splits or num_kv_splits_for(b, num_kv_heads, max_tokens, device, per_sm)
-                for b in range(1, max_batch + 1)
-            ]
-            most = max(b * splits for b, splits in enumerate(self.splits))
+        self.splits = [0] + [
+            num_splits or num_kv_splits_for(b, num_kv_heads, max_tokens, device, programs_per_sm)
+            for b in range(1, max_batch + 1)
+        ]
+        most = max(b * splits for b, splits in enumerate(self.splits))
         f32 = {"dtype": torch.float32, "device": self.device}
         self._mid_out = torch.empty(most * num_q_heads * head_dim, **f32)
         self._mid_lse = torch.empty(most * num_q_heads, **f32)
         self._lse = torch.empty(max_batch * num_q_heads, **f32)
 
     def views(self, batch: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(splits, mid_out [entries, q_heads, splits, dim], mid_lse [entries, q_heads, splits],
-        lse [batch, q_heads]) for a batch of ``batch`` requests: an entry per request and
-        ``splits`` per row, or, balanced, an entry per split of the flat order, ``splits`` 1."""
+        """(splits, mid_out [batch, q_heads, splits, dim], mid_lse [batch, q_heads, splits],
+        lse [batch, q_heads]) for a batch of ``batch`` requests."""
         splits, heads = self.splits[batch], self.num_q_heads
-        entries = self.target + batch if self.balanced else batch
-        mid_out = self._mid_out[: entries * heads * splits * self.head_dim]
-        mid_lse = self._mid_lse[: entries * heads * splits]
+        mid_out = self._mid_out[: batch * heads * splits * self.head_dim]
+        mid_lse = self._mid_lse[: batch * heads * splits]
         return (
             splits,
-            mid_out.view(entries, heads, splits, self.head_dim),
-            mid_lse.view(entries, heads, splits),
+            mid_out.view(batch, heads, splits, self.head_dim),
+            mid_lse.view(batch, heads, splits),
             self._lse[: batch * heads].view(batch, heads),
         )
 
@@ -465,9 +322,8 @@ def split_kv_decode(
     ([batch, q_heads, logits_len] fp32), the scaled q·k of every attended position below logits_len
     is stored there; other entries are left untouched. With `logits_row_start` ([batch] int64) the
     rows are ragged: `logits` is [q_heads, capacity] and request b's position p is at column
-    logits_row_start[b] + p (stored below capacity). A `workspace` supplies the scratch and its
-    split order (balanced by default); without one the splits are fixed, `num_kv_splits` per row
-    (by default num_kv_splits_for's choice).
+    logits_row_start[b] + p (stored below capacity). `num_kv_splits` defaults to
+    num_kv_splits_for's choice (the workspace's, with one); a `workspace` supplies the scratch.
     `launch` defaults to STAGE1_SELECTED with a selection, else STAGE1_WHOLE.
     """
     batch, num_q_heads, head_dim = q.shape
@@ -495,13 +351,7 @@ def split_kv_decode(
     lg_stride_b, lg_stride_h = (0, logits_arg.stride(0)) if ragged else logits_arg.stride()[:2]
 
     block_d = triton.next_power_of_2(head_dim)
-    balanced = workspace is not None and workspace.balanced
-    if balanced:  # num_kv_splits (1) is the entries' width; the kernels get the target
-        num_kv_splits, grid = workspace.target, (mid_out.shape[0], num_kv_heads, 1)
-    else:
-        grid = (batch, num_kv_heads, num_kv_splits)
-    block_b = triton.next_power_of_2(batch)
-    _stage1[grid](
+    _stage1[(batch, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
         selected_arg, rows_arg, num_selected if sparse else seq_lens, mid_out, mid_lse, logits_arg,
         logits_row_start if ragged else seq_lens, sm_scale,
@@ -509,24 +359,14 @@ def split_kv_decode(
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0), selected_arg.stride(0),
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
-        lg_stride_b, lg_stride_h, logits_arg.shape[-1], num_kv_splits, batch,
+        lg_stride_b, lg_stride_h, logits_arg.shape[-1], num_kv_splits,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=launch.block_n,
         SELECTED_SPAN=selected_span if sparse else 0, INDIRECT_ROWS=selected_rows is not None,
         STORE_LOGITS=logits is not None, RAGGED_LOGITS=ragged, DOT_IN_FP32=_DOT_IN_FP32,
-        BALANCED=balanced, BLOCK_B=block_b,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
-    if not balanced:
-        merge_splits(mid_out, mid_lse, out, lse)
-        return out, lse
-    _stage2_balanced[(batch, num_q_heads)](
-        mid_out, mid_lse, out, lse, seq_lens, num_selected if sparse else seq_lens, batch,
-        num_kv_splits, mid_out.stride(0), mid_out.stride(1), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1), num_q_heads,
-        SELECTED_SPAN=selected_span if sparse else 0, BLOCK_N=launch.block_n, BLOCK_B=block_b,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=16, num_warps=4,
-    )  # fmt: skip
+    merge_splits(mid_out, mid_lse, out, lse)
     return out, lse
 
 

@@ -168,55 +168,11 @@ def test_workspace_and_indirect_rows_give_the_allocating_kernel_result():
     count = torch.tensor([2, 5, 50], dtype=torch.int32, device=DEVICE)
     common = dict(batch, sm_scale=sm_scale, num_selected=count)
     expected, expected_lse = split_kv_decode(**common, selected=lists, num_kv_splits=4)
-    workspace = SplitKVWorkspace(8, 6, 2, 64, max_tokens=50, device=DEVICE, balanced=False)
+    workspace = SplitKVWorkspace(8, 6, 2, 64, max_tokens=50, device=DEVICE)
     assert workspace.views(n)[0] == 2  # 50 tokens are two blocks: no more splits than that
     out, lse = split_kv_decode(**common, selected=table, selected_rows=rows, workspace=workspace)
     torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(lse, expected_lse, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("launch", ["whole", "selected"])
-def test_balanced_splits_give_the_fixed_splits_result_over_rows_of_any_length(launch):
-    """A balanced workspace cuts the batch's tokens, not each row, into splits (here about 32
-    per KV head: 16 programs on each of the 4 SMs assumed off CUDA): a 700-token row beside
-    one-token and empty rows, as a mix's member sees its batch, gets most of them (11 of 64
-    tokens, or 22 of 32, merged over two blocks); out, LSE and stored logits are the fixed
-    kernel's."""
-    from sglang_ext.kernels.split_kv_decode import (
-        STAGE1_SELECTED,
-        STAGE1_WHOLE,
-        SplitKVWorkspace,
-        split_kv_decode,
-    )
-
-    seq_lens = (700, 1, 37, 2, 1)
-    batch, sm_scale = make_batch(torch.bfloat16, seq_lens=seq_lens, max_context=704)
-    q_heads, dim = batch["q"].shape[1:]
-    workspace = SplitKVWorkspace(
-        8, q_heads, 2, dim, max_tokens=704, device=DEVICE, programs_per_sm=16
-    )
-    assert workspace.balanced and workspace.views(len(seq_lens))[1].shape[0] > len(seq_lens)
-    if launch == "whole":
-        extra = {"launch": STAGE1_WHOLE}
-        expected, expected_lse = split_kv_decode(**batch, sm_scale=sm_scale, num_kv_splits=2)
-    else:  # a one-token-row selection of 0 entries (padding), a 40-page one, a partial page
-        selected, count = selection([list(range(43, 0, -1)), [0], [2, 0], [], [0]], width=44)
-        extra = {"selected": selected, "num_selected": count, "selected_span": 16,
-                 "launch": STAGE1_SELECTED}  # fmt: skip
-        expected, expected_lse = split_kv_decode(
-            **batch, sm_scale=sm_scale, num_kv_splits=2, **extra
-        )
-    logits = torch.full((len(seq_lens), q_heads, 704), float("nan"), device=DEVICE)
-    out, lse = split_kv_decode(
-        **batch, sm_scale=sm_scale, workspace=workspace, logits=logits, **extra
-    )
-    torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
-    torch.testing.assert_close(lse, expected_lse, atol=1e-4, rtol=1e-4)
-    if launch == "whole":  # every position's logit stored once, none past a row
-        for b, n in enumerate(seq_lens):
-            assert not logits[b, :, :n].isnan().any() and logits[b, :, n:].isnan().all()
-    else:
-        assert lse[3].isneginf().all() and (out[3] == 0).all()  # the empty selection
 
 
 @pytest.mark.parametrize("block_n,warps,stages", [(64, 8, 1), (64, 4, 3)])
