@@ -17,7 +17,7 @@ follow() {  # until the soak ends or $1 seconds pass; every 60 s a line of its l
     (( ++ticks % 6 == 0 )) || continue
     if [[ -f $dir/server_url ]] && ! "${PYTHON:-python3}" -c \
         "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/health', timeout=20)" \
-        "$(cat "$dir/server_url")" 2>/dev/null; then
+        "$(cat "$dir/server_url")" 2>/dev/null && [[ -f $dir/server_url ]]; then  # not stopping
       echo "soak: /health did not answer in 20 s at ${SECONDS}s: stack dumps to $dir/stacks.txt"
       for pid in $(pgrep -f "sglang"); do py-spy dump --pid "$pid" >> "$dir/stacks.txt" 2>&1 || true; done
     fi

@@ -116,6 +116,7 @@ def run(args) -> dict:
         loaded_s = driver.run_locust(args.locust, server.url, args.out_dir, args.users, args.duration, mix)
         after = driver.settle(server)
         metrics = requests.get(f"{server.url}/metrics", headers=server.headers, timeout=60).text
+        (args.out_dir / "server_url").unlink()  # the server stops next: the watcher stops probing
     totals = driver.read_stats(args.out_dir / "locust_stats.csv")
     requested = {k: v for k, v in totals.items() if driver.is_request(k)}
     summary = {
