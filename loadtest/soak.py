@@ -32,6 +32,7 @@ import torch
 from benchmarks.harness import RunInfo
 from loadtest import driver
 from sglang_ext.engine_process import EngineServer, engine_env, free_port
+from sglang_ext.server.metrics import by_policy
 
 HERE = Path(__file__).resolve().parent
 POLICY = "lethe,delta,tidal,full"
@@ -72,17 +73,11 @@ def decoded_by_policy(metrics: str) -> dict[str, dict]:
     """From the server's /metrics: per policy, the decode steps its requests ran (one per request
     and step) and the tokens such a step attended on average (over layers). Unlike the selection
     log line, which only a step outside a CUDA graph writes, this counts every step."""
-    totals: dict[str, dict] = {}
-    for part in ("count", "sum"):
-        sample = rf"^{re.escape(ATTENDED)}_{part}{{([^}}]*)}} (\S+)$"
-        for labels, value in re.findall(sample, metrics, re.M):
-            policy = re.search(r'policy="([^"]*)"', labels).group(1)
-            entry = totals.setdefault(policy, {"count": 0.0, "sum": 0.0})
-            entry[part] += float(value)
+    steps, tokens = (by_policy(metrics, f"{ATTENDED}_{part}") for part in ("count", "sum"))
     return {
-        policy: {"request_steps": int(n), "mean_attended_tokens": round(t["sum"] / n, 1)}
-        for policy, t in sorted(totals.items())
-        if (n := t["count"])
+        policy: {"request_steps": int(n), "mean_attended_tokens": round(tokens[policy] / n, 1)}
+        for policy, n in sorted(steps.items())
+        if n
     }
 
 

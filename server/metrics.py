@@ -23,6 +23,7 @@ counts the ART tiles of its own heads (sum over ``tp_rank`` for all of them).
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 
 import torch
@@ -32,6 +33,17 @@ from sglang_ext.policies.runtime import PolicyRuntime, RequestReport, RuntimeSta
 PREFIX = "sglang_ext:"
 _TOKEN_BUCKETS = tuple(float(2**i) for i in range(4, 18))
 _SECOND_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
+
+
+def by_policy(text: str, name: str) -> dict[str, float]:
+    """Read back from ``/metrics`` text: the samples of series ``name`` (a histogram's
+    ``NAME_count`` or ``NAME_sum``, a counter's ``NAME_total``) summed by their ``policy`` label."""
+    sums: dict[str, float] = {}
+    for labels, value in re.findall(rf"^{re.escape(name)}{{([^}}]*)}} (\S+)$", text, re.M):
+        policy = re.search(r'policy="([^"]*)"', labels)
+        if policy is not None:
+            sums[policy[1]] = sums.get(policy[1], 0.0) + float(value)
+    return sums
 
 
 class DeviceCounts:

@@ -11,6 +11,8 @@ import requests
 
 from server import metric, policy_servers
 
+from sglang_ext.server.metrics import by_policy
+
 pytestmark = pytest.mark.engine
 
 THRESHOLD = 64
@@ -67,18 +69,9 @@ def test_per_request_policies_hold_on_every_worker(server):
     assert kept_own > kept_served > 0  # its own cap (0.6) keeps more than the server's (0.3)
     # the requests' series name the policy each decoded under; the rounds, the served one
     text = server.metrics()
-    steps = labelled(text, "sglang_ext:attended_tokens_per_step_count")
+    steps = by_policy(text, "sglang_ext:attended_tokens_per_step_count")
     assert steps.get("full", 0) >= 2 * 47 and steps.get("lethe", 0) >= 2 * 47
-    assert set(labelled(text, "sglang_ext:eviction_rounds_total")) == {"lethe"}
-
-
-def labelled(text: str, name: str) -> dict[str, float]:
-    """A Prometheus metric's samples summed by their ``policy`` label."""
-    sums: dict[str, float] = {}
-    for labels, value in re.findall(rf"^{re.escape(name)}{{([^}}]*)}} (\S+)$", text, re.M):
-        policy = re.search(r'policy="([^"]*)"', labels).group(1)
-        sums[policy] = sums.get(policy, 0.0) + float(value)
-    return sums
+    assert set(by_policy(text, "sglang_ext:eviction_rounds_total")) == {"lethe"}
 
 
 def test_the_pools_stay_exact(server):

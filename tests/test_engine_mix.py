@@ -12,6 +12,8 @@ import requests
 
 from server import policy_servers
 
+from sglang_ext.server.metrics import by_policy
+
 pytestmark = pytest.mark.engine
 
 COMMON = ["--max-total-tokens", "16384", "--log-level", "info", "--dtype", "float32"]
@@ -83,9 +85,8 @@ def test_four_policies_in_one_batch_each_give_their_own_servers_tokens(servers):
     assert re.search(r"delta layer \d+ first selected fewer pages", servers["mix"].log())
     assert re.search(r"tidal layer \d+ first selected fewer tokens", servers["mix"].log())
     # the requests' series are labelled by the policy each decoded under
-    series = r'^sglang_ext:attended_tokens_per_step_count{[^}]*policy="(\w+)"[^}]*} (\S+)$'
-    steps = re.findall(series, servers["mix"].metrics(), re.M)
-    assert {name: float(n) >= 15 for name, n in steps} == dict.fromkeys(MIX_MEMBERS, True)
+    steps = by_policy(servers["mix"].metrics(), "sglang_ext:attended_tokens_per_step_count")
+    assert {name: n >= 15 for name, n in steps.items()} == dict.fromkeys(MIX_MEMBERS, True)
     _assert_healthy_and_exact(servers["mix"])
 
 
