@@ -90,7 +90,7 @@ def _gather_slots_kernel(
         tl.store(SlotTable + batch * stride_table + offs_j, slot, mask=valid_j)
 
 
-def _accumulate(logits, lse, entry_count, rows, scores, gamma) -> None:
+def accumulate(logits, lse, entry_count, rows, scores, gamma) -> None:
     """scores[rows[b], j] = gamma * scores[rows[b], j] + sum over heads of exp(logits[b, :, j] -
     lse[b]), for j < entry_count[b]."""
     batch, num_q_heads = lse.shape
@@ -148,7 +148,7 @@ def shared_retained_decode(
         q, k_buffer, v_buffer, slot_table, table_rows[:batch], counts, sm_scale,
         logits=logits[:batch], workspace=workspace,
     )  # fmt: skip
-    _accumulate(logits, lse, counts, state_rows, scores, gamma)
+    accumulate(logits, lse, counts, state_rows, scores, gamma)
     return out
 
 

@@ -9,8 +9,13 @@ request's last page); its missing tokens are skipped.
 On CUDA a selection is read through a ``SlotTable``: each selection layer gathers its requests'
 selected KV slots once, and every sparse layer after it attends over that table with the split-KV
 kernel's whole-cache path (64-token tiles over slots, where the selected path walks pages through
-req_to_token in 32-token tiles).
+req_to_token in 32-token tiles). Several readers' tables may share one storage
+(``SharedSlotTables``: a policy mix's members), so that one call reads each batch entry's row from
+its own reader's table.
 """
+
+import dataclasses
+from collections.abc import Callable
 
 import torch
 import triton
@@ -104,9 +109,12 @@ class SlotTable:
     KV heads, head size) it owns its attention's split-KV scratch too, sized for ``max_batch``
     (decode then allocates nothing); without, each ``attend`` allocates it (one-off calls)."""
 
-    def __init__(self, max_batch: int, max_entries: int, device, heads=None):
-        self.slots = torch.zeros(max_batch, max_entries, dtype=torch.int32, device=device)
-        self.count = torch.zeros(max_batch, dtype=torch.int32, device=device)
+    def __init__(self, max_batch: int, max_entries: int, device, heads=None, share=None):
+        if share is None:
+            self.slots = torch.zeros(max_batch, max_entries, dtype=torch.int32, device=device)
+            self.count = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        else:  # a TableShare's rows of a SharedSlotTables storage
+            self.slots, self.count = share.slots, share.count
         self.rows = torch.arange(max_batch, dtype=torch.int64, device=device)
         # A selection is short next to a whole cache: fewer, longer splits read it faster.
         self.workspace = None if heads is None else SplitKVWorkspace(
@@ -134,6 +142,83 @@ class SlotTable:
             workspace=self.workspace, out=out,
         )  # fmt: skip
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TableRead:
+    """A layer whose decode is only attention over its reader's table of a SharedSlotTables (its
+    K/V stored first): ``logits`` [max batch, q heads, >= longest list] fp32 where the reader
+    keeps each entry's scaled q·k, ``after(lse, batch)`` its work on the call's LSE."""
+
+    logits: torch.Tensor | None = None
+    after: Callable[[torch.Tensor, int], None] | None = None
+
+
+class TableShare:
+    """One reader's table in a SharedSlotTables: ``slots`` [max batch, width] and ``count``, indexed
+    by batch entry like a SlotTable's, and ``reads`` (layer -> TableRead) where it reads only that
+    table, which the owner may then do for several readers in one call."""
+
+    def __init__(self, tables: "SharedSlotTables", index: int):
+        self._tables, self.index = tables, index
+        self.reads: dict[int, TableRead] = {}
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return self._tables.block(self.index)[0]
+
+    @property
+    def count(self) -> torch.Tensor:
+        return self._tables.block(self.index)[1]
+
+
+class SharedSlotTables:
+    """Slot tables of ``readers`` readers in one storage: reader i's is rows [i * max_batch, (i + 1)
+    * max_batch), ``width`` entries each (a request's context: no list is longer), allocated at
+    the first reader's use. ``route`` points each batch entry at its reader's row once per step,
+    ``attend`` reads every entry from its own table in one split-KV call. Given ``heads`` (query
+    heads, KV heads, head size) it owns that call's scratch."""
+
+    def __init__(self, readers: int, max_batch: int, width: int, device, heads=None):
+        self.readers, self.max_batch, self.width = readers, max_batch, width
+        self.device = torch.device(device)
+        self._slots = self._count = None
+        self.rows = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self._entries = torch.arange(max_batch, dtype=torch.int64, device=device)
+        self.workspace = None if heads is None else SplitKVWorkspace(
+            max_batch, *heads, width, device
+        )  # fmt: skip
+
+    def share(self, index: int) -> TableShare:
+        return TableShare(self, index)
+
+    def block(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._slots is None:
+            rows = self.readers * self.max_batch
+            self._slots = torch.zeros(rows, self.width, dtype=torch.int32, device=self.device)
+            self._count = torch.zeros(rows, dtype=torch.int32, device=self.device)
+        first, last = index * self.max_batch, (index + 1) * self.max_batch
+        return self._slots[first:last], self._count[first:last]
+
+    def route(self, reader_of_entry: torch.Tensor) -> None:
+        """Batch entry b reads reader ``reader_of_entry[b]``'s table (int64 [batch], on the
+        device: no host sync)."""
+        batch = reader_of_entry.shape[0]
+        torch.add(
+            self._entries[:batch], reader_of_entry, alpha=self.max_batch, out=self.rows[:batch]
+        )
+
+    def attend(self, q, k_buffer, v_buffer, sm_scale: float, logits=None):
+        """(out, lse) of q [batch, q_heads, dim] over each entry's row of its reader's table;
+        ``logits`` as split_kv_decode's."""
+        batch = q.shape[0]
+        splits = None
+        if self.workspace is None:
+            splits = num_kv_splits_for(batch, k_buffer.shape[1], self.width, q.device)
+        return split_kv_decode(
+            q, k_buffer, v_buffer, self._slots, self.rows[:batch], self._count, sm_scale,
+            logits=logits, num_kv_splits=splits, workspace=self.workspace, lengths_by_row=True,
+        )  # fmt: skip
 
 
 def sparse_decode_attention(

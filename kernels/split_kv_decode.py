@@ -88,6 +88,7 @@ def _stage1(
     BLOCK_N: tl.constexpr,
     SELECTED_SPAN: tl.constexpr,
     INDIRECT_ROWS: tl.constexpr,
+    LENGTH_AT_ROW: tl.constexpr,
     STORE_LOGITS: tl.constexpr,
     RAGGED_LOGITS: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
@@ -102,8 +103,12 @@ def _stage1(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
 
-    seq_len = tl.load(SeqLens + batch)
-    req_row = ReqToToken + tl.load(ReqPoolIdx + batch).to(tl.int64) * stride_r2t
+    row = tl.load(ReqPoolIdx + batch).to(tl.int64)
+    if LENGTH_AT_ROW:  # lengths by table row: several tables in one storage (SharedSlotTables)
+        seq_len = tl.load(SeqLens + row)
+    else:
+        seq_len = tl.load(SeqLens + batch)
+    req_row = ReqToToken + row * stride_r2t
     # Virtual token n is logical position n, or token n % SPAN of selected entry n // SPAN.
     if SELECTED_SPAN > 0:
         length = tl.load(NumSelected + batch) * SELECTED_SPAN
@@ -312,6 +317,7 @@ def split_kv_decode(
     workspace: SplitKVWorkspace | None = None,
     out: torch.Tensor | None = None,
     launch: Stage1Launch | None = None,
+    lengths_by_row: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of q [batch, q_heads, dim] over each request's cache.
 
@@ -324,7 +330,8 @@ def split_kv_decode(
     rows are ragged: `logits` is [q_heads, capacity] and request b's position p is at column
     logits_row_start[b] + p (stored below capacity). `num_kv_splits` defaults to
     num_kv_splits_for's choice (the workspace's, with one); a `workspace` supplies the scratch.
-    `launch` defaults to STAGE1_SELECTED with a selection, else STAGE1_WHOLE.
+    `launch` defaults to STAGE1_SELECTED with a selection, else STAGE1_WHOLE. With
+    `lengths_by_row` request b's length is seq_lens[req_pool_indices[b]], not seq_lens[b].
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -363,7 +370,8 @@ def split_kv_decode(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=launch.block_n,
         SELECTED_SPAN=selected_span if sparse else 0, INDIRECT_ROWS=selected_rows is not None,
-        STORE_LOGITS=logits is not None, RAGGED_LOGITS=ragged, DOT_IN_FP32=_DOT_IN_FP32,
+        LENGTH_AT_ROW=lengths_by_row, STORE_LOGITS=logits is not None, RAGGED_LOGITS=ragged,
+        DOT_IN_FP32=_DOT_IN_FP32,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     merge_splits(mid_out, mid_lse, out, lse)

@@ -93,6 +93,10 @@ class DecodeContext:
     num_q_heads: int | None = None
     head_dim: int | None = None
     kv_pool_tokens: int | None = None  # the KV pool's token slots (None: unknown)
+    # A policy mix member's share of the mix's slot tables (kernels.sparse_decode.TableShare):
+    # a policy that reads a slot table takes this one and lists the layers where it reads only
+    # that table, so that the mix reads its members' tables in one call there; None: its own
+    slot_tables: Any = None
 
     def batch_tokens_bound(self) -> int:
         """The most tokens a decode batch holds in all without shared prefixes: the KV pool's,

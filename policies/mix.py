@@ -9,10 +9,13 @@ whole batch in which the other members' requests are one token long
 those rows, and its output for them is dropped. Per layer the members' outputs are merged by each
 row's member (masks made once per step on the device; no host sync); members that run the
 engine's own full attention at a layer share one call of it, with the real batch, reading only
-their rows where the engine can (``DecodeContext.base_decode_rows``: fa3), else every row. So a
-row reads what it reads under its own policy; the mix adds each member's launches over the whole
-batch and a merge per layer (Lethe + DELTA, 64 x 16k on an H100: 6.20 ms of GPU time a step
-against 5.41 for half of each member's; RESULTS.md 2026-11-27).
+their rows where the engine can (``DecodeContext.base_decode_rows``: fa3), else every row. On
+CUDA, members that read only a slot table at a layer (Lethe's retained set, DELTA's and Tidal's
+sparse layers) keep their tables in one storage (``SharedSlotTables``), and one split-KV call
+reads each row from its own member's table there. So a row reads what it reads under its own
+policy; the mix adds, where members differ otherwise, each member's launches over the whole batch
+and a merge per layer (Lethe + DELTA, 64 x 16k on an H100, with a call per member at every layer:
+6.20 ms of GPU time a step against 5.41 for half of each member's; RESULTS.md 2026-11-27).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import dataclasses
 from typing import Any
 
 import torch
+from sglang_ext.kernels.sparse_decode import SharedSlotTables
 from sglang_ext.policies.base import DecodeContext, DecodeFn, KVPolicy, PolicyConfigError
 from sglang_ext.policies.runtime import (
     EngineOps,
@@ -134,6 +138,7 @@ class _LayerGroup:
     members: tuple[int, ...]
     engine_full: bool  # the engine's own full attention: called with the real batch
     mask: int  # row of MixRuntime.group_masks: the rows whose output this call gives
+    tables: bool = False  # one call over the members' slot tables: called with the real batch
 
 
 class MixRuntime(PolicyRuntime):
@@ -142,7 +147,18 @@ class MixRuntime(PolicyRuntime):
     def __init__(self, policy: PolicyMix, ctx: DecodeContext):
         self.policy, self.ctx = policy, ctx
         self.index = {m.name: i for i, m in enumerate(policy.members)}
-        self.members = [m.runtime(self._member_context(m, ctx)) for m in policy.members]
+        heads = ctx.head_shape()
+        self.tables = None if heads is None else SharedSlotTables(
+            len(policy.members), ctx.max_batch_size, ctx.req_to_token.shape[1], ctx.device, heads
+        )  # fmt: skip
+        self.shares = [
+            None if self.tables is None else self.tables.share(i)
+            for i in range(len(policy.members))
+        ]
+        self.members = [
+            m.runtime(self._member_context(m, ctx, share))
+            for m, share in zip(policy.members, self.shares, strict=True)
+        ]
         rows = ctx.req_to_token.shape[0]
         # each request slot's member, written at its prefill; read per step on the device
         self.member_of_slot = torch.zeros(rows, dtype=torch.int64, device=ctx.device)
@@ -167,9 +183,10 @@ class MixRuntime(PolicyRuntime):
         self._unions = [torch.tensor(ids, device=ctx.device) for ids in unions]
         self._rows_decodes: dict[int, Any] = {}  # union -> the engine's decode of its rows
         self.decode_fns = [self._layer_decode(groups) for groups in self.layers]
+        self._reads_tables = any(g.tables for groups in self.layers for g in groups)
 
     @staticmethod
-    def _member_context(member: KVPolicy, ctx: DecodeContext) -> DecodeContext:
+    def _member_context(member: KVPolicy, ctx: DecodeContext, share) -> DecodeContext:
         defaults = member.request_values(member)
         rows = ctx.req_to_token.shape[0]
         table = (
@@ -177,23 +194,59 @@ class MixRuntime(PolicyRuntime):
             if defaults else None
         )  # fmt: skip
         return dataclasses.replace(
-            ctx, request_values=table, decode_step_setups=[], step_reservations=[]
-        )
+            ctx, request_values=table, decode_step_setups=[], step_reservations=[],
+            slot_tables=share,
+        )  # fmt: skip
 
     def _layer_groups(self, layer: int, unions: list) -> list[_LayerGroup]:
+        groups = []
         by_fn: dict[int, list[int]] = {}
         fns = [member.decode_fns[layer] for member in self.members]
+        readers = self._table_readers(layer)
+        if readers:
+            reads = [self.shares[i].reads[layer] for i in readers]
+            groups.append(_LayerGroup(self._tables_decode(reads), readers, False, -1, True))
         for i, fn in enumerate(fns):
-            by_fn.setdefault(id(fn), []).append(i)
-        groups = []
+            if i not in readers:
+                by_fn.setdefault(id(fn), []).append(i)
         for ids in by_fn.values():
-            ids = tuple(ids)
-            if ids not in unions:
-                unions.append(ids)
             engine_full = fns[ids[0]] is self.ctx.base_decode
-            groups.append(_LayerGroup(fns[ids[0]], ids, engine_full, unions.index(ids)))
+            groups.append(_LayerGroup(fns[ids[0]], tuple(ids), engine_full, -1))
+        for i, group in enumerate(groups):  # each group's mask: the union of its members' rows
+            if group.members not in unions:
+                unions.append(group.members)
+            groups[i] = dataclasses.replace(group, mask=unions.index(group.members))
         # the engine's own attention first: it stores the new token's K/V as on its own
         return sorted(groups, key=lambda g: not g.engine_full)
+
+    def _table_readers(self, layer: int) -> tuple[int, ...]:
+        """The members that read only their slot tables at ``layer``, where one call reads them
+        all: two or more, at most one of them keeping logits (the call stores one kind)."""
+        readers = tuple(i for i, s in enumerate(self.shares) if s is not None and layer in s.reads)
+        scoring = [i for i in readers if self.shares[i].reads[layer].logits is not None]
+        return readers if len(readers) >= 2 and len(scoring) <= 1 else ()
+
+    def _tables_decode(self, reads) -> DecodeFn:
+        """One split-KV call over the members' slot tables, each row reading its own member's
+        (SharedSlotTables.route, per step); then each member's work on its LSE."""
+        tables, write_kv, pool = self.tables, self.ctx.write_kv, self.ctx.kv_pool
+        logits = next((read.logits for read in reads if read.logits is not None), None)
+        afters = [read.after for read in reads if read.after is not None]
+
+        def decode(q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+            if save_kv_cache and k is not None and v is not None:
+                write_kv(layer, forward_batch, k, v)
+            q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+            batch, lid = q.shape[0], layer.layer_id
+            out, lse = tables.attend(
+                q, pool.get_key_buffer(lid), pool.get_value_buffer(lid), layer.scaling,
+                logits=None if logits is None else logits[:batch],
+            )  # fmt: skip
+            for after in afters:
+                after(lse, batch)
+            return out.view(batch, -1)
+
+        return decode
 
     def _layer_decode(self, groups: list[_LayerGroup]) -> DecodeFn:
         if len(groups) == 1 and groups[0].engine_full:
@@ -204,7 +257,8 @@ class MixRuntime(PolicyRuntime):
         def decode(q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
             out = None
             for group_decode, group in calls:
-                view = forward_batch if group.engine_full else self._views[group.members[0]]
+                whole = group.engine_full or group.tables
+                view = forward_batch if whole else self._views[group.members[0]]
                 part = group_decode(q, k, v, layer, view, save_kv_cache and out is None, **kwargs)
                 if out is None:  # a fresh tensor of the first call's: the others merge into it
                     out = part
@@ -276,6 +330,8 @@ class MixRuntime(PolicyRuntime):
         masks = self.member_masks[:, :batch]
         member = self.member_of_slot[forward_batch.req_pool_indices.long()]
         torch.eq(member[None, :], self._member_ids, out=masks)
+        if self._reads_tables:
+            self.tables.route(member)
         for union, ids in enumerate(self._unions):
             torch.any(masks.index_select(0, ids), dim=0, out=self.group_masks[union, :batch])
         seq_lens = self._member_seq_lens[forward_batch.seq_lens.dtype][:, :batch]

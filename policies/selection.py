@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import torch
-from sglang_ext.kernels.sparse_decode import SlotTable, sparse_decode_attention_ref
+from sglang_ext.kernels.sparse_decode import SlotTable, TableRead, sparse_decode_attention_ref
 from sglang_ext.policies.base import DecodeContext, DecodeFn, KVPolicy, PolicyConfigError
 from sglang_ext.policies.calibration import find_calibration
 
@@ -185,7 +185,12 @@ class SelectionPolicy(KVPolicy):
             LayerRole.SELECT: decoder.select_decode,
             LayerRole.SPARSE: decoder.sparse_decode,
         }
-        return [by_role[role] for role in policy.layer_roles(ctx.num_layers)]
+        roles = policy.layer_roles(ctx.num_layers)
+        if decoder.reads_shared_table():  # a sparse layer is only attention over the table
+            ctx.slot_tables.reads.update(
+                {layer: TableRead() for layer, role in enumerate(roles) if role is LayerRole.SPARSE}
+            )
+        return [by_role[role] for role in roles]
 
     def _error(self, field: str, message: str):
         raise PolicyConfigError(f"{self.name}.{field}", message)
@@ -219,6 +224,9 @@ class SelectionDecoder:
         self._first_trim_unlogged = True
         if ctx.ranks is not None:
             logger.info("sglang_ext: %s selection scores are combined across ranks", policy_name)
+
+    def reads_shared_table(self) -> bool:
+        return self._table is not None and self.ctx.slot_tables is not None
 
     def select_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         q, cache = self._begin(q, k, v, layer, forward_batch, save_kv_cache)
@@ -328,4 +336,4 @@ def _slot_table(ctx: DecodeContext, selection: Selection):
     if torch.device(ctx.device).type != "cuda":
         return None
     entries = selection.budget * selection.page_size
-    return SlotTable(ctx.max_batch_size, entries, ctx.device, ctx.head_shape())
+    return SlotTable(ctx.max_batch_size, entries, ctx.device, ctx.head_shape(), ctx.slot_tables)

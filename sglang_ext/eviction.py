@@ -33,6 +33,7 @@ the same tokens, as one rank with all the heads would, and checks that it does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -40,6 +41,7 @@ from typing import Any
 
 import torch
 
+from sglang_ext.kernels.sparse_decode import TableRead
 from sglang_ext.policies.runtime import (
     EngineOps,
     PolicyRuntime,
@@ -127,10 +129,7 @@ class LetheRuntime(PolicyRuntime):
             self._logits = torch.empty(logits_shape, dtype=torch.float32, device=ctx.device)
             self._workspace = ctx.split_workspace(cap)
             if not policy.per_layer_lists():
-                table = (ctx.max_batch_size, cap)
-                self._slot_table = torch.zeros(table, dtype=torch.int32, device=ctx.device)
-                self._entry_count = torch.zeros(table[0], dtype=torch.int32, device=ctx.device)
-                self._table_rows = torch.arange(table[0], device=ctx.device)
+                self._own_table(ctx, cap)
         self.layer_rows = None  # per-layer memory: each entry's global K/V row
         if policy.pools_layer_rows():
             from sglang_ext.layer_memory import pooled_buffers
@@ -148,6 +147,30 @@ class LetheRuntime(PolicyRuntime):
         logger.info(
             "sglang_ext: lethe state for %d layers x %d request slots x %d positions: %.2f GiB",
             ctx.num_layers, rows, cap, size_gb,
+        )  # fmt: skip
+
+    def _own_table(self, ctx, cap: int) -> None:
+        """The step's slot table, its own or its share of a mix's (which then attends over it for
+        every layer: each layer is only that attention and the scores' update)."""
+        share = ctx.slot_tables
+        if share is None:
+            int32 = {"dtype": torch.int32, "device": ctx.device}
+            self._slot_table = torch.zeros((ctx.max_batch_size, cap), **int32)
+            self._entry_count = torch.zeros(ctx.max_batch_size, **int32)
+        else:
+            self._slot_table, self._entry_count = share.slots, share.count
+            for lid in range(ctx.num_layers):
+                update = functools.partial(self._update_scores, lid)
+                share.reads[lid] = TableRead(logits=self._logits, after=update)
+        self._table_rows = torch.arange(ctx.max_batch_size, device=ctx.device)
+
+    def _update_scores(self, lid: int, lse: torch.Tensor, batch: int) -> None:
+        """RASR's update of layer ``lid`` from a call over the step's table that stored logits."""
+        from sglang_ext.kernels import rasr
+
+        rasr.accumulate(
+            self._logits, lse, self._entry_count[:batch], self.state_rows[:batch],
+            self.scores[lid], self.policy.decay,
         )  # fmt: skip
 
     # requests ---------------------------------------------------------------------------------

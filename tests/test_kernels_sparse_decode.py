@@ -9,6 +9,7 @@ from kernel_cases import DEVICE, OUT_TOL, make_batch, selection_scores
 from sglang_ext.kernels.page_select import select_pages, select_tokens
 from sglang_ext.kernels.selection_attention import ScoreRows, selection_attention_ref
 from sglang_ext.kernels.sparse_decode import (
+    SharedSlotTables,
     SlotTable,
     gather_selected_slots_ref,
     sparse_decode_attention,
@@ -87,6 +88,32 @@ def test_a_slot_table_gathers_the_selection_and_attends_as_the_pages_do(rows, pa
         **batch, selected=selected, num_selected=count, sm_scale=sm_scale, page_size=page_size
     )
     torch.testing.assert_close(out, expected, **OUT_TOL[torch.bfloat16])
+
+
+def test_shared_tables_read_each_entry_from_its_own_readers_table():
+    # two readers' tables in one storage (a policy mix's members): pages and tokens
+    batch, sm_scale = make_batch(torch.bfloat16)
+    q, k, v = batch["q"], batch["k_buffer"], batch["v_buffer"]
+    cache = [batch[k] for k in ("req_to_token", "req_pool_indices", "seq_lens")]
+    tables = SharedSlotTables(2, max_batch=4, width=96, device=DEVICE, heads=(6, 2, 64))
+    readers = [SlotTable(4, 64, DEVICE, share=tables.share(i)) for i in range(2)]
+    pages = selection([[0], [2, 0], [4, 1, 3]], width=4)
+    tokens = selection([[4, 0], [36, 3, 20, 7, 8], list(range(69, 19, -1))], width=50)
+    readers[0].gather(*cache, *pages, 16)
+    readers[1].gather(*cache, *tokens, 1)
+    tables.route(torch.tensor([1, 0, 1], device=DEVICE))
+    logits = torch.full((3, 6, 96), float("nan"), device=DEVICE)
+    out, _ = tables.attend(q, k, v, sm_scale, logits=logits)
+    expected = [
+        sparse_decode_attention_ref(**batch, selected=s, num_selected=n, sm_scale=sm_scale,
+                                    page_size=size)
+        for (s, n), size in ((pages, 16), (tokens, 1))
+    ]  # fmt: skip
+    for b, reader in enumerate([1, 0, 1]):
+        torch.testing.assert_close(out[b], expected[reader][b], **OUT_TOL[torch.bfloat16])
+    for b, n in enumerate([2, 16 + 5, 50]):  # logits by entry, as many as its own table holds
+        assert readers[[1, 0, 1][b]].count[b] == n
+        assert not logits[b, :, :n].isnan().any() and logits[b, :, n:].isnan().all()
 
 
 def test_empty_selection_outputs_zeros():

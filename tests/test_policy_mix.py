@@ -156,6 +156,17 @@ def test_each_row_of_a_mixed_batch_decodes_as_under_its_own_policy_alone(device,
     assert lethe.count[:, others].eq(0).all()  # never reset nor appended to
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="slot tables are read on CUDA")
+def test_members_that_read_their_slot_tables_at_a_layer_are_read_in_one_call():
+    mix = build_policy(NAME, MEMBERS)
+    _, runtime, _ = decode_step(mix, ROWS, "cuda")
+    one_call = [[g.members for g in groups if g.tables] for groups in runtime.layers]
+    # DELTA's sparse layers are 2 and 3, Tidal's 3, Lethe reads its table at every layer; alone
+    # (layers 0 and 1) it reads its own
+    assert one_call == [[], [], [(0, 2)], [(0, 1, 2)]]
+    assert [len(groups) for groups in runtime.layers] == [2, 3, 3, 2]
+
+
 def test_engine_attention_shared_by_some_members_reads_only_their_rows():
     mix = build_policy(NAME, MEMBERS)
     asked: list = []
