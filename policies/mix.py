@@ -14,8 +14,9 @@ CUDA, members that read only a slot table at a layer (Lethe's retained set, DELT
 sparse layers) keep their tables in one storage (``SharedSlotTables``), and one split-KV call
 reads each row from its own member's table there. So a row reads what it reads under its own
 policy; the mix adds, where members differ otherwise, each member's launches over the whole batch
-and a merge per layer (Lethe + DELTA, 64 x 16k on an H100, with a call per member at every layer:
-6.20 ms of GPU time a step against 5.41 for half of each member's; RESULTS.md 2026-11-27).
+and a merge per layer (Lethe + DELTA, 64 x 16k on an H100: 5.95 ms of GPU time a step, 6.20 with
+a call per member at every layer, against about 5.44 for half of each member's; RESULTS.md
+2026-11-27).
 """
 
 from __future__ import annotations
