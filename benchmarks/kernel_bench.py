@@ -301,7 +301,7 @@ def stage1_tuning_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
         # the split count (the engine's choice marked), at the kind's default launch
         per_sm = skv.SHORT_LIST_PROGRAMS_PER_SM if kind == "sparse" else skv.PROGRAMS_PER_SM
         default = skv.num_kv_splits_for(batch, kv_heads, tokens, "cuda", per_sm)
-        for splits in sorted({2, 4, 8, 16, 32, 64, default}):
+        for splits in sorted({1, 2, 4, 8, 16, 32, 64, default}):
             fixed = skv.SplitKVWorkspace(batch, q_heads, kv_heads, dim, tokens, "cuda", splits)
 
             def run(args=args, extra=extra, workspace=fixed):

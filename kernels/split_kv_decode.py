@@ -351,6 +351,8 @@ def split_kv_decode(
         mid_lse = torch.empty(batch, num_q_heads, num_kv_splits, **f32)
         lse = torch.empty(batch, num_q_heads, **f32)
     out = torch.empty_like(q) if out is None else out
+    if num_kv_splits == 1:  # stage 1 writes the result: nothing to merge
+        mid_out, mid_lse = out.unsqueeze(2), lse.unsqueeze(2)
     selected_arg = selected if sparse else seq_lens  # unread placeholders keep the signature fixed
     rows_arg = selected_rows if selected_rows is not None else seq_lens
     logits_arg = logits if logits is not None else mid_lse
@@ -374,7 +376,8 @@ def split_kv_decode(
         DOT_IN_FP32=_DOT_IN_FP32,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
-    merge_splits(mid_out, mid_lse, out, lse)
+    if num_kv_splits > 1:
+        merge_splits(mid_out, mid_lse, out, lse)
     return out, lse
 
 

@@ -202,6 +202,20 @@ def test_workspace_and_indirect_rows_give_the_allocating_kernel_result():
     torch.testing.assert_close(lse, expected_lse, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_one_split_writes_the_result_itself_as_a_merge_of_several_would(dtype):
+    from sglang_ext.kernels.split_kv_decode import SplitKVWorkspace, split_kv_decode
+
+    batch, sm_scale = make_batch(dtype, seq_lens=(5, 0, 70))  # the empty row: zeros, LSE -inf
+    expected, expected_lse = split_kv_decode(**batch, sm_scale=sm_scale, num_kv_splits=4)
+    workspace = SplitKVWorkspace(4, 6, 2, 64, max_tokens=96, device=DEVICE, num_splits=1)
+    out = torch.full_like(batch["q"], float("nan"))
+    got, lse = split_kv_decode(**batch, sm_scale=sm_scale, workspace=workspace, out=out)
+    assert got is out and not out[1].any() and lse[1].eq(float("-inf")).all()
+    torch.testing.assert_close(out, expected, **OUT_TOL[dtype])
+    torch.testing.assert_close(lse, expected_lse, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("block_n,warps,stages", [(64, 8, 1), (64, 4, 3)])
 def test_every_stage1_launch_computes_the_same_attention(block_n, warps, stages):
     """kernel_bench's tuning rows compare launches: each must compute what the oracle does."""
