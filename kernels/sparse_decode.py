@@ -113,8 +113,8 @@ class SlotTable:
         if share is None:
             self.slots = torch.zeros(max_batch, max_entries, dtype=torch.int32, device=device)
             self.count = torch.zeros(max_batch, dtype=torch.int32, device=device)
-        else:  # a TableShare's rows of a SharedSlotTables storage
-            self.slots, self.count = share.slots, share.count
+        else:  # its rows of a SharedSlotTables storage
+            self.slots, self.count = share.take(max_entries)
         self.rows = torch.arange(max_batch, dtype=torch.int64, device=device)
         # A selection is short next to a whole cache: fewer, longer splits read it faster.
         self.workspace = None if heads is None else SplitKVWorkspace(
@@ -155,58 +155,63 @@ class TableRead:
 
 
 class TableShare:
-    """One reader's table in a SharedSlotTables: ``slots`` [max batch, width] and ``count``, indexed
-    by batch entry like a SlotTable's, and ``reads`` (layer -> TableRead) where it reads only that
-    table, which the owner may then do for several readers in one call."""
+    """One reader's table in a SharedSlotTables: ``take(width)`` gives its ``slots`` [max batch,
+    width] and ``count``, indexed by batch entry like a SlotTable's, which hold the shared storage
+    once the owner has allocated it (``SharedSlotTables.allocate``: before any decode); ``reads``
+    (layer -> TableRead) lists where it reads only that table, for the owner to read several
+    readers' in one call there."""
 
-    def __init__(self, tables: "SharedSlotTables", index: int):
-        self._tables, self.index = tables, index
+    def __init__(self, device):
+        self.width = 0  # none taken
+        self.slots = torch.empty(0, dtype=torch.int32, device=device)
+        self.count = torch.empty(0, dtype=torch.int32, device=device)
         self.reads: dict[int, TableRead] = {}
 
-    @property
-    def slots(self) -> torch.Tensor:
-        return self._tables.block(self.index)[0]
-
-    @property
-    def count(self) -> torch.Tensor:
-        return self._tables.block(self.index)[1]
+    def take(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.width = width
+        return self.slots, self.count
 
 
 class SharedSlotTables:
-    """Slot tables of ``readers`` readers in one storage: reader i's is rows [i * max_batch, (i + 1)
-    * max_batch), ``width`` entries each (a request's context: no list is longer), allocated at
-    the first reader's use. ``route`` points each batch entry at its reader's row once per step,
-    ``attend`` reads every entry from its own table in one split-KV call. Given ``heads`` (query
-    heads, KV heads, head size) it owns that call's scratch."""
+    """The slot tables of several readers (``shares``, a policy mix's members) in one storage, as
+    wide as the widest: ``allocate``, after every reader has taken its share, binds each taken
+    share's tensors to its rows. ``route`` points each batch entry at its reader's row once per
+    step, ``attend`` reads every entry from its own reader's table in one split-KV call (an
+    entry of a reader without a table reads nothing). Given ``heads`` (query heads, KV heads,
+    head size) it owns that call's scratch."""
 
-    def __init__(self, readers: int, max_batch: int, width: int, device, heads=None):
-        self.readers, self.max_batch, self.width = readers, max_batch, width
-        self.device = torch.device(device)
-        self._slots = self._count = None
+    def __init__(self, readers: int, max_batch: int, device, heads=None):
+        self.max_batch, self.device, self.heads = max_batch, torch.device(device), heads
+        self.shares = [TableShare(device) for _ in range(readers)]
         self.rows = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self._entries = torch.arange(max_batch, dtype=torch.int64, device=device)
-        self.workspace = None if heads is None else SplitKVWorkspace(
-            max_batch, *heads, width, device
-        )  # fmt: skip
+        self._first_row = None  # [readers] int64: each reader's first row (past the end: none)
+        self._slots = self._count = self.workspace = None
 
-    def share(self, index: int) -> TableShare:
-        return TableShare(self, index)
-
-    def block(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._slots is None:
-            rows = self.readers * self.max_batch
-            self._slots = torch.zeros(rows, self.width, dtype=torch.int32, device=self.device)
-            self._count = torch.zeros(rows, dtype=torch.int32, device=self.device)
-        first, last = index * self.max_batch, (index + 1) * self.max_batch
-        return self._slots[first:last], self._count[first:last]
+    def allocate(self) -> None:
+        taken = [share for share in self.shares if share.width > 0]
+        if not taken:
+            return
+        rows, width = len(taken) * self.max_batch, max(share.width for share in taken)
+        int32 = {"dtype": torch.int32, "device": self.device}
+        self._slots = torch.zeros(rows, width, **int32)
+        self._count = torch.zeros(rows + self.max_batch, **int32)  # a last block of zeros
+        first = [rows] * len(self.shares)  # a reader without a table: the block of zeros
+        at = 0
+        for i, share in enumerate(self.shares):
+            if share.width > 0:
+                share.slots.set_(self._slots[at : at + self.max_batch])
+                share.count.set_(self._count[at : at + self.max_batch])
+                first[i], at = at, at + self.max_batch
+        self._first_row = torch.tensor(first, dtype=torch.int64, device=self.device)
+        if self.heads is not None:
+            self.workspace = SplitKVWorkspace(self.max_batch, *self.heads, width, self.device)
 
     def route(self, reader_of_entry: torch.Tensor) -> None:
         """Batch entry b reads reader ``reader_of_entry[b]``'s table (int64 [batch], on the
         device: no host sync)."""
         batch = reader_of_entry.shape[0]
-        torch.add(
-            self._entries[:batch], reader_of_entry, alpha=self.max_batch, out=self.rows[:batch]
-        )
+        torch.add(self._entries[:batch], self._first_row[reader_of_entry], out=self.rows[:batch])
 
     def attend(self, q, k_buffer, v_buffer, sm_scale: float, logits=None):
         """(out, lse) of q [batch, q_heads, dim] over each entry's row of its reader's table;
@@ -214,7 +219,7 @@ class SharedSlotTables:
         batch = q.shape[0]
         splits = None
         if self.workspace is None:
-            splits = num_kv_splits_for(batch, k_buffer.shape[1], self.width, q.device)
+            splits = num_kv_splits_for(batch, k_buffer.shape[1], self._slots.shape[1], q.device)
         return split_kv_decode(
             q, k_buffer, v_buffer, self._slots, self.rows[:batch], self._count, sm_scale,
             logits=logits, num_kv_splits=splits, workspace=self.workspace, lengths_by_row=True,

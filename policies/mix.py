@@ -148,18 +148,17 @@ class MixRuntime(PolicyRuntime):
     def __init__(self, policy: PolicyMix, ctx: DecodeContext):
         self.policy, self.ctx = policy, ctx
         self.index = {m.name: i for i, m in enumerate(policy.members)}
-        heads = ctx.head_shape()
+        heads = ctx.head_shape()  # None off CUDA: the members read no slot tables there
         self.tables = None if heads is None else SharedSlotTables(
-            len(policy.members), ctx.max_batch_size, ctx.req_to_token.shape[1], ctx.device, heads
+            len(policy.members), ctx.max_batch_size, ctx.device, heads
         )  # fmt: skip
-        self.shares = [
-            None if self.tables is None else self.tables.share(i)
-            for i in range(len(policy.members))
-        ]
+        self.shares = [None] * len(policy.members) if heads is None else self.tables.shares
         self.members = [
             m.runtime(self._member_context(m, ctx, share))
             for m, share in zip(policy.members, self.shares, strict=True)
         ]
+        if self.tables is not None:
+            self.tables.allocate()
         rows = ctx.req_to_token.shape[0]
         # each request slot's member, written at its prefill; read per step on the device
         self.member_of_slot = torch.zeros(rows, dtype=torch.int64, device=ctx.device)

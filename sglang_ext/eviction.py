@@ -158,7 +158,7 @@ class LetheRuntime(PolicyRuntime):
             self._slot_table = torch.zeros((ctx.max_batch_size, cap), **int32)
             self._entry_count = torch.zeros(ctx.max_batch_size, **int32)
         else:
-            self._slot_table, self._entry_count = share.slots, share.count
+            self._slot_table, self._entry_count = share.take(cap)
             for lid in range(ctx.num_layers):
                 update = functools.partial(self._update_scores, lid)
                 share.reads[lid] = TableRead(logits=self._logits, after=update)

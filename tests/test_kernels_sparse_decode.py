@@ -91,18 +91,23 @@ def test_a_slot_table_gathers_the_selection_and_attends_as_the_pages_do(rows, pa
 
 
 def test_shared_tables_read_each_entry_from_its_own_readers_table():
-    # two readers' tables in one storage (a policy mix's members): pages and tokens
+    # three readers (a policy mix's members) in one storage: pages, tokens and no table
     batch, sm_scale = make_batch(torch.bfloat16)
     q, k, v = batch["q"], batch["k_buffer"], batch["v_buffer"]
     cache = [batch[k] for k in ("req_to_token", "req_pool_indices", "seq_lens")]
-    tables = SharedSlotTables(2, max_batch=4, width=96, device=DEVICE, heads=(6, 2, 64))
-    readers = [SlotTable(4, 64, DEVICE, share=tables.share(i)) for i in range(2)]
+    tables = SharedSlotTables(3, max_batch=4, device=DEVICE, heads=(6, 2, 64))
+    readers = [SlotTable(4, n, DEVICE, share=tables.shares[i]) for i, n in enumerate((64, 50))]
+    tables.allocate()  # the third reader took no table; the widest is the storage's width
+    assert readers[0].slots.shape == (4, 64) == readers[1].slots.shape
     pages = selection([[0], [2, 0], [4, 1, 3]], width=4)
     tokens = selection([[4, 0], [36, 3, 20, 7, 8], list(range(69, 19, -1))], width=50)
     readers[0].gather(*cache, *pages, 16)
     readers[1].gather(*cache, *tokens, 1)
-    tables.route(torch.tensor([1, 0, 1], device=DEVICE))
+    tables.route(torch.tensor([1, 0, 2], device=DEVICE))
     logits = torch.full((3, 6, 96), float("nan"), device=DEVICE)
+    out, lse = tables.attend(q, k, v, sm_scale, logits=logits)
+    assert not out[2].any() and lse[2].eq(float("-inf")).all()  # a reader without a table
+    tables.route(torch.tensor([1, 0, 1], device=DEVICE))
     out, _ = tables.attend(q, k, v, sm_scale, logits=logits)
     expected = [
         sparse_decode_attention_ref(**batch, selected=s, num_selected=n, sm_scale=sm_scale,
