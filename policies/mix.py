@@ -205,13 +205,14 @@ class MixRuntime(PolicyRuntime):
         readers = self._table_readers(layer)
         if readers:
             reads = [self.shares[i].reads[layer] for i in readers]
-            groups.append(_LayerGroup(self._tables_decode(reads), readers, False, -1, True))
+            decode = self._tables_decode(reads)
+            groups.append(_LayerGroup(decode, readers, engine_full=False, mask=-1, tables=True))
         for i, fn in enumerate(fns):
             if i not in readers:
                 by_fn.setdefault(id(fn), []).append(i)
         for ids in by_fn.values():
             engine_full = fns[ids[0]] is self.ctx.base_decode
-            groups.append(_LayerGroup(fns[ids[0]], tuple(ids), engine_full, -1))
+            groups.append(_LayerGroup(fns[ids[0]], tuple(ids), engine_full, mask=-1))
         for i, group in enumerate(groups):  # each group's mask: the union of its members' rows
             if group.members not in unions:
                 unions.append(group.members)
