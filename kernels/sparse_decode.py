@@ -177,10 +177,10 @@ class SharedSlotTables:
     wide as the widest: ``allocate``, after every reader has taken its share, binds each taken
     share's tensors to its rows. ``route`` points each batch entry at its reader's row once per
     step, ``attend`` reads every entry from its own reader's table in one split-KV call (an
-    entry of a reader without a table reads nothing). Given ``heads`` (query heads, KV heads,
-    head size) it owns that call's scratch."""
+    entry of a reader without a table reads nothing), with scratch it owns for ``heads`` (query
+    heads, KV heads, head size)."""
 
-    def __init__(self, readers: int, max_batch: int, device, heads=None):
+    def __init__(self, readers: int, max_batch: int, device, heads: tuple[int, int, int]):
         self.max_batch, self.device, self.heads = max_batch, torch.device(device), heads
         self.shares = [TableShare(device) for _ in range(readers)]
         self.rows = torch.zeros(max_batch, dtype=torch.int64, device=device)
@@ -204,8 +204,7 @@ class SharedSlotTables:
                 share.count.set_(self._count[at : at + self.max_batch])
                 first[i], at = at, at + self.max_batch
         self._first_row = torch.tensor(first, dtype=torch.int64, device=self.device)
-        if self.heads is not None:
-            self.workspace = SplitKVWorkspace(self.max_batch, *self.heads, width, self.device)
+        self.workspace = SplitKVWorkspace(self.max_batch, *self.heads, width, self.device)
 
     def route(self, reader_of_entry: torch.Tensor) -> None:
         """Batch entry b reads reader ``reader_of_entry[b]``'s table (int64 [batch], on the
@@ -217,12 +216,9 @@ class SharedSlotTables:
         """(out, lse) of q [batch, q_heads, dim] over each entry's row of its reader's table;
         ``logits`` as split_kv_decode's."""
         batch = q.shape[0]
-        splits = None
-        if self.workspace is None:
-            splits = num_kv_splits_for(batch, k_buffer.shape[1], self._slots.shape[1], q.device)
         return split_kv_decode(
             q, k_buffer, v_buffer, self._slots, self.rows[:batch], self._count, sm_scale,
-            logits=logits, num_kv_splits=splits, workspace=self.workspace, lengths_by_row=True,
+            logits=logits, workspace=self.workspace, lengths_by_row=True,
         )  # fmt: skip
 
 
