@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from sglang_ext.kernels import rasr
 from sglang_ext.kernels.sparse_decode import TableRead
 from sglang_ext.policies.runtime import (
     EngineOps,
@@ -166,8 +167,6 @@ class LetheRuntime(PolicyRuntime):
 
     def _update_scores(self, lid: int, lse: torch.Tensor, batch: int) -> None:
         """RASR's update of layer ``lid`` from a call over the step's table that stored logits."""
-        from sglang_ext.kernels import rasr
-
         rasr.accumulate(
             self._logits, lse, self._entry_count[:batch], self.state_rows[:batch],
             self.scores[lid], self.policy.decay,
@@ -232,8 +231,6 @@ class LetheRuntime(PolicyRuntime):
             self.layer_rows[self._layers, state_rows, at] = new_rows
             self._entry_counts[:, :batch] = counts
         if self._slot_table is not None:
-            from sglang_ext.kernels import rasr
-
             rasr.gather_retained_slots(
                 self.ctx.req_to_token, forward_batch.req_pool_indices, self.positions[0],
                 self.count[0], state_rows, self._slot_table, self._entry_count,
@@ -276,8 +273,6 @@ class LetheRuntime(PolicyRuntime):
         return tuple(n + since for n in lethe.retained_per_layer)
 
     def _decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        from sglang_ext.kernels import rasr
-
         if save_kv_cache and k is not None and v is not None:
             self.ctx.write_kv(layer, forward_batch, k, v)
         lid = layer.layer_id
@@ -303,8 +298,6 @@ class LetheRuntime(PolicyRuntime):
 
     def _decode_rows(self, q, lid: int, scaling: float):
         """Per-layer memory: each entry attends over its layer's entries' rows."""
-        from sglang_ext.kernels import rasr
-
         batch = q.shape[0]
         rows, state_rows = self.layer_rows[lid], self.state_rows[:batch]
         args = (q, self.pooled.keys, self.pooled.values, rows, state_rows)
@@ -336,8 +329,6 @@ class LetheRuntime(PolicyRuntime):
         before the forward; the rows and lengths come from the host (``_extending``, once per
         batch). Under tensor parallelism the batch's sums are combined across the ranks in one
         exchange per layer, before the pooling, and stored as this rank's 1/size share."""
-        from sglang_ext.kernels import rasr
-
         window = self.policy.observation_window
         if window == 0 or forward_batch.extend_seq_lens_cpu is None or not self._extending.rows:
             return
