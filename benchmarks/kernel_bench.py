@@ -18,7 +18,6 @@ device-to-device copy bandwidth.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from types import SimpleNamespace
 
@@ -288,35 +287,27 @@ def stage1_tuning_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
     rows = []
     for kind, (args, extra, tokens) in kinds.items():
         workspace = skv.SplitKVWorkspace(batch, q_heads, kv_heads, dim, tokens, "cuda")
-        grouped = sorted({1, kv_heads})  # a program per KV head, or one for all of them
-        tiles = itertools.product((32, 64), (4, 8), (1, 2, 3, 4), grouped)
-        for block_n, warps, stages, heads in tiles:
-            launch = skv.Stage1Launch(block_n, warps, stages, heads)
+        for block_n, warps, stages in itertools.product((32, 64), (4, 8), (1, 2, 3, 4)):
+            launch = skv.Stage1Launch(block_n, warps, stages)
 
             def run(launch=launch, args=args, extra=extra, workspace=workspace):
                 skv.split_kv_decode(
                     *args, inputs.scale, **extra, workspace=workspace, out=out, launch=launch
                 )
 
-            name = f"bn{block_n}-w{warps}-s{stages}" + (f"-h{heads}" if heads > 1 else "")
-            metric = f"stage1_ms:{name}" + ("*" if launch == skv.STAGE1_WHOLE else "")
+            name = f"bn{block_n}-w{warps}-s{stages}" + ("*" if launch == skv.STAGE1_WHOLE else "")
+            metric = f"stage1_ms:{name}"
             rows.append(info.row(**point, policy=kind, metric=metric, value=time_ms(run)))
-        # the split count (the engine's choice marked), at the kind's default tile
+        # the split count (the engine's choice marked), at the kind's default launch
         per_sm = skv.SHORT_LIST_PROGRAMS_PER_SM if kind == "sparse" else skv.PROGRAMS_PER_SM
         default = skv.num_kv_splits_for(batch, kv_heads, tokens, "cuda", per_sm)
-        tile = skv.STAGE1_SELECTED if kind == "sparse" else skv.STAGE1_WHOLE
-        for splits, heads in itertools.product(sorted({1, 2, 4, 8, 16, 32, 64, default}), grouped):
+        for splits in sorted({1, 2, 4, 8, 16, 32, 64, default}):
             fixed = skv.SplitKVWorkspace(batch, q_heads, kv_heads, dim, tokens, "cuda", splits)
-            launch = dataclasses.replace(tile, kv_heads=heads)
 
-            def run(args=args, extra=extra, workspace=fixed, launch=launch):
-                skv.split_kv_decode(
-                    *args, inputs.scale, **extra, workspace=workspace, out=out, launch=launch
-                )
+            def run(args=args, extra=extra, workspace=fixed):
+                skv.split_kv_decode(*args, inputs.scale, **extra, workspace=workspace, out=out)
 
-            name = f"splits{splits}" + (f"-h{heads}" if heads > 1 else "")
-            marked = splits == default and launch == tile
-            metric = f"stage1_ms:{name}" + ("*" if marked else "")
+            metric = f"stage1_ms:splits{splits}" + ("*" if splits == default else "")
             rows.append(info.row(**point, policy=kind, metric=metric, value=time_ms(run)))
     return rows
 

@@ -33,14 +33,12 @@ _DOT_IN_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
 
 @dataclasses.dataclass(frozen=True)
 class Stage1Launch:
-    """Stage 1's tile and launch: tokens per inner step (a multiple of _BLOCK_N), warps,
-    software-pipeline stages, and the KV heads one program reads (their query heads stacked in
-    one tile; 1: a program per KV head) (benchmarks.kernel_bench --parts tune measures them)."""
+    """Stage 1's tile and launch: tokens per inner step (a multiple of _BLOCK_N), warps and
+    software-pipeline stages (benchmarks.kernel_bench --parts tune measures the choices)."""
 
     block_n: int
     num_warps: int
     num_stages: int
-    kv_heads: int = 1
 
 
 # Measured on an H100 (kernel_bench --parts tune, qwen1.5b shape, 32k, batch 1 and 64): over the
@@ -84,7 +82,6 @@ def _stage1(
     logits_len,
     num_splits,
     GROUP: tl.constexpr,
-    KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -97,21 +94,14 @@ def _stage1(
     DOT_IN_FP32: tl.constexpr,
 ):
     batch = tl.program_id(0).to(tl.int64)
-    first_kv_head = tl.program_id(1) * KV_HEADS
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    # KV_HEADS heads' K/V rows side by side in a tile's columns (one slot's are contiguous), each
-    # query head's q in its own KV head's columns and zeros elsewhere, so that one dot serves all
     offs_h = tl.arange(0, BLOCK_H)
-    mask_h = offs_h < GROUP * KV_HEADS
-    heads = first_kv_head * GROUP + offs_h
+    mask_h = offs_h < GROUP
+    heads = kv_head * GROUP + offs_h
     offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM * KV_HEADS
-    column_head = offs_d // HEAD_DIM
-    column_dim = offs_d % HEAD_DIM
-    own_columns = mask_h[:, None] & mask_d[None, :] & ((offs_h // GROUP)[:, None] == column_head)
-    kv_columns = (first_kv_head + column_head) * stride_k_head + column_dim
-    v_columns = (first_kv_head + column_head) * stride_v_head + column_dim
+    mask_d = offs_d < HEAD_DIM
 
     row = tl.load(ReqPoolIdx + batch).to(tl.int64)
     if LENGTH_AT_ROW:  # lengths by table row: several tables in one storage (SharedSlotTables)
@@ -141,8 +131,8 @@ def _stage1(
     end = tl.minimum(start + per_split, length)
 
     q = tl.load(
-        Q + batch * stride_qb + heads[:, None] * stride_qh + column_dim[None, :],
-        mask=own_columns,
+        Q + batch * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
         other=0.0,
     )
     q = q.to(tl.float32) if DOT_IN_FP32 else q.to(K.dtype.element_ty)
@@ -162,7 +152,7 @@ def _stage1(
         slot = tl.load(req_row + pos, mask=valid, other=0).to(tl.int64)
 
         k = tl.load(
-            K + slot[None, :] * stride_k_slot + kv_columns[:, None],
+            K + slot[None, :] * stride_k_slot + kv_head * stride_k_head + offs_d[:, None],
             mask=valid[None, :] & mask_d[:, None],
             other=0.0,
         )
@@ -178,7 +168,7 @@ def _stage1(
             )
 
         v = tl.load(
-            V + slot[:, None] * stride_v_slot + v_columns[None, :],
+            V + slot[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
             mask=valid[:, None] & mask_d[None, :],
             other=0.0,
         )
@@ -196,10 +186,10 @@ def _stage1(
 
     mid = batch * stride_mid_b + heads * stride_mid_h + split * stride_mid_s
     has_tokens = e_sum > 0
-    tl.store(  # each query head's own KV head's columns
-        MidO + mid[:, None] + column_dim[None, :],
+    tl.store(
+        MidO + mid[:, None] + offs_d[None, :],
         acc / tl.where(has_tokens, e_sum, 1.0)[:, None],
-        mask=own_columns,
+        mask=mask_h[:, None] & mask_d[None, :],
     )
     lse = tl.where(has_tokens, e_max + tl.log(tl.where(has_tokens, e_sum, 1.0)), float("-inf"))
     tl.store(MidLse + batch * stride_lse_b + heads * stride_lse_h + split, lse, mask=mask_h)
@@ -369,9 +359,8 @@ def split_kv_decode(
     ragged = logits_row_start is not None
     lg_stride_b, lg_stride_h = (0, logits_arg.stride(0)) if ragged else logits_arg.stride()[:2]
 
-    kv_heads = launch.kv_heads
-    assert num_kv_heads % kv_heads == 0, "a program reads whole groups of KV heads"
-    _stage1[(batch, num_kv_heads // kv_heads, num_kv_splits)](
+    block_d = triton.next_power_of_2(head_dim)
+    _stage1[(batch, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
         selected_arg, rows_arg, num_selected if sparse else seq_lens, mid_out, mid_lse, logits_arg,
         logits_row_start if ragged else seq_lens, sm_scale,
@@ -380,9 +369,8 @@ def split_kv_decode(
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         lg_stride_b, lg_stride_h, logits_arg.shape[-1], num_kv_splits,
-        GROUP=group, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(kv_heads * head_dim),
-        BLOCK_H=max(16, triton.next_power_of_2(kv_heads * group)), BLOCK_N=launch.block_n,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=launch.block_n,
         SELECTED_SPAN=selected_span if sparse else 0, INDIRECT_ROWS=selected_rows is not None,
         LENGTH_AT_ROW=lengths_by_row, STORE_LOGITS=logits is not None, RAGGED_LOGITS=ragged,
         DOT_IN_FP32=_DOT_IN_FP32,

@@ -221,14 +221,13 @@ def test_one_split_writes_the_result_itself_as_a_merge_of_several_would(dtype):
     torch.testing.assert_close(lse, expected_lse, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("block_n,warps,stages,kv_heads", [(64, 8, 1, 1), (64, 4, 3, 1), (32, 4, 3, 2)])
-def test_every_stage1_launch_computes_the_same_attention(block_n, warps, stages, kv_heads):
-    """kernel_bench's tuning rows compare launches: each must compute what the oracle does,
-    a program reading both KV heads included."""
+@pytest.mark.parametrize("block_n,warps,stages", [(64, 8, 1), (64, 4, 3)])
+def test_every_stage1_launch_computes_the_same_attention(block_n, warps, stages):
+    """kernel_bench's tuning rows compare launches: each must compute what the oracle does."""
     from sglang_ext.kernels.split_kv_decode import Stage1Launch, split_kv_decode
 
     batch, sm_scale = make_batch(torch.bfloat16)
-    launch = Stage1Launch(block_n, warps, stages, kv_heads)
+    launch = Stage1Launch(block_n, warps, stages)
     logits = torch.full((3, 6, 96), float("nan"), device=DEVICE)
     out, _ = split_kv_decode(**batch, sm_scale=sm_scale, logits=logits, launch=launch)
     expected, _ = selection_attention_ref(**batch, sm_scale=sm_scale)
