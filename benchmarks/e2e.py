@@ -18,6 +18,11 @@ once. Retractions are counted from the server's log (SGLang logs each with ``#re
 The same snapshot's decode-step counter gives the x axis of KV in use against generated tokens: a
 request running from the first step has generated one token per step.
 
+A decode step's time against its context, from the server's own decode log lines (SGLang's gen
+throughput every 40 steps) while the whole batch runs: ``decode_step_fixed_ms`` (at context 0) and
+``decode_step_slope_ms`` (per 1,024 tokens of each request's context), a least-squares line: where
+an end-to-end ratio comes from (a policy's fixed cost per step against its growth with context).
+
 A run too long for one sitting can be split by policy: with --partial-dir, each policy's
 measurement is saved there, and every call reports all policies found there (the same --shape,
 --requests, --input-len and --output-len), vanilla's as the baseline.
@@ -47,6 +52,9 @@ BENCH = "e2e"
 # Logged by sglang_ext.engine.backends when an engine process builds a policy backend.
 POLICY_ACTIVE_LOG = "decoding with policy"
 RETRACTED_LOG = re.compile(r"Retract requests\. #retracted_reqs: (\d+)")
+DECODE_LOG = re.compile(
+    r"Decode batch.*?#running-req: (\d+), #token: (\d+),.*?gen throughput \(token/s\): ([\d.]+)"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -283,6 +291,7 @@ class PolicyRun:
     greedy: list[list[int]]
     attention_backend: str = ""  # SGLang's --attention-backend of its server
     budget: str = ""  # the policy's KV budget (KVPolicy.budget)
+    step_curve: tuple[float, float] | None = None  # decode_step_curve of its server's log
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(dataclasses.asdict(self)) + "\n")
@@ -308,6 +317,9 @@ class PolicyRun:
             "mean_running_requests": statistics.fmean(running),
             "retracted_requests": float(self.retracted),
         }
+        if self.step_curve is not None:
+            fixed, slope = self.step_curve
+            metrics |= {"decode_step_fixed_ms": fixed, "decode_step_slope_ms": slope}
         return [
             Row(
                 bench=BENCH, policy=self.policy, model_shape=args.shape, batch=args.requests,
@@ -334,6 +346,7 @@ def measure_policy(args, policy: str, prompts: list[list[int]], info: RunInfo) -
             harness.request_policies(policy),
         )  # fmt: skip
         retracted = sum(int(n) for n in RETRACTED_LOG.findall(server.log()))
+        step_curve = decode_step_curve(server.log())
         greedy = [
             generate(server.url, ids, GREEDY_CHECK_TOKENS)
             for ids in prompts[:GREEDY_CHECK_REQUESTS]
@@ -343,8 +356,23 @@ def measure_policy(args, policy: str, prompts: list[list[int]], info: RunInfo) -
         policy=policy, device=info.device, sglang_version=info.sglang_version, date=info.date,
         output_tok_s=tok_s, retracted=retracted, samples=sampler.samples, greedy=greedy,
         attention_backend=flag_value(argv, "--attention-backend", ""),
-        budget=harness.policy_budget(policy, args.policy_config),
+        budget=harness.policy_budget(policy, args.policy_config), step_curve=step_curve,
     )  # fmt: skip
+
+
+def decode_step_curve(log: str) -> tuple[float, float] | None:
+    """(ms at context 0, ms per 1,024 tokens of context) of a decode step: the least-squares line
+    through the server's decode log lines at its largest batch, each line's step time being
+    requests / gen throughput at its mean context per request. The first such line is left out
+    (its interval holds the prefill); None with fewer than three lines left."""
+    lines = [(int(r), int(t), float(g)) for r, t, g in DECODE_LOG.findall(log)]
+    batch = max((r for r, _, _ in lines), default=0)
+    full = [(t / r / 1024, 1e3 * r / g) for r, t, g in lines if r == batch and g > 0][1:]
+    if len(full) < 3:
+        return None
+    contexts, step_ms = zip(*full, strict=True)
+    slope, fixed = statistics.linear_regression(contexts, step_ms)
+    return fixed, slope
 
 
 def partial_path(args, policy: str) -> Path:

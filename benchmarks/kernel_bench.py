@@ -404,7 +404,34 @@ def sparse_kernel_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
             info.row(**point, policy=policy, metric="sparse_gather_ms", value=gather_ms),
             info.row(**point, policy=policy, metric="sparse_flashinfer_ms", value=theirs_ms),
         ]
+        if torch.cuda.get_device_capability()[0] == 9:  # fa3 over the slot table as a page table
+            fa3 = table_fa3_decode(inputs, table)
+            torch.testing.assert_close(ours_out, fa3(), atol=2e-2, rtol=2e-2)
+            metric = "sparse_fa3_ms"
+            rows.append(info.row(**point, policy=policy, metric=metric, value=time_ms(fa3)))
     return rows
+
+
+def table_fa3_decode(inputs, table):
+    """sgl_kernel's fa3 decode over a slot table: its slots as a page table of page size 1, its
+    counts as the cache lengths."""
+    from sgl_kernel.flash_attn import flash_attn_with_kvcache
+
+    batch, _, dim = inputs.q.shape
+    kv_heads = inputs.k.shape[1]
+    cu_seqlens_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    out = torch.empty_like(inputs.q)
+
+    def run():
+        flash_attn_with_kvcache(
+            q=inputs.q, k_cache=inputs.k.view(-1, 1, kv_heads, dim),
+            v_cache=inputs.v.view(-1, 1, kv_heads, dim), page_table=table.slots[:batch],
+            cache_seqlens=table.count[:batch], cu_seqlens_q=cu_seqlens_q, max_seqlen_q=1,
+            softmax_scale=inputs.scale, causal=True, out=out,
+        )  # fmt: skip
+        return out
+
+    return run
 
 
 def rank_rows(inputs, budget_tokens: int, row_width: int, point: dict, info) -> list[Row]:

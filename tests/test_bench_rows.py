@@ -46,6 +46,28 @@ def test_greedy_tokens_are_compared_with_vanilla_on_the_same_backend():
     assert {r.policy: r.value for r in rows} == {"vanilla@fa3": 1.0, "vanilla@flashinfer": 1.0, "full": 0.5}
 
 
+def test_the_decode_step_line_is_fit_at_the_full_batch_without_the_prefill_interval():
+    def line(running, context, step_ms):
+        return (
+            f"[t] Decode batch, #running-req: {running}, #token: {running * context}, token usage: "
+            f"0.03, cuda graph: True, gen throughput (token/s): {running / step_ms * 1e3:.4f}, "
+            "#queue-req: 0"
+        )
+
+    # step = 2 ms + 0.5 ms per 1,024 tokens at the full batch of 4; the first full line holds the
+    # prefill (slow), and the batch of 3 draining at the end is off the line
+    full = [line(4, c, 2.0 + 0.5 * c / 1024) for c in (2048, 3072, 4096, 5120)]
+    log = "\n".join([line(4, 1024, 90.0), *full, line(3, 6144, 1.0), "Prefill batch ..."])
+    fixed, slope = e2e.decode_step_curve(log)
+    assert fixed == pytest.approx(2.0, abs=1e-3) and slope == pytest.approx(0.5, abs=1e-3)
+    assert e2e.decode_step_curve("\n".join(full[:3])) is None  # two lines after the first
+
+    run = e2e.PolicyRun("delta", "H100", "0.5.17", "T", 1.0, 0, [], [], step_curve=(fixed, slope))
+    args = e2e.build_parser().parse_args(["--shape", "qwen1.5b"])
+    metrics = {row.metric: row.value for row in run.rows(args)}
+    assert metrics["decode_step_fixed_ms"] == fixed and metrics["decode_step_slope_ms"] == slope
+
+
 def test_partial_runs_are_saved_under_plain_file_names_and_found_again(tmp_path):
     args = e2e.build_parser().parse_args(["--shape", "qwen1.5b", "--partial-dir", str(tmp_path)])
     for policy in ("vanilla@fa3", "delta+art@flashinfer", "lethe", "lethe/delta"):
