@@ -3,7 +3,7 @@
 # cache (GGUF overrides the file) and exports the environment the benchmarks run in.
 gguf=${GGUF:-/tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 export SGLANG_EXT_MODEL_CACHE=${SGLANG_EXT_MODEL_CACHE:-/tmp/sglang_ext-models}
-export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+source benchmarks/gpu_env.sh
 
 "${PYTHON:-python3}" - "$gguf" <<'PY'
 import sys

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU test tier, in one call on a GPU host from the repo root (after .gpu/part1, part2, ext and
-# smolA/smolB are installed): the kernels and policies against their torch references on CUDA,
-# then the engine on CUDA with SmolLM2's real weights (tests/test_engine_gpu.py).
+# The GPU test tier, in one call on a GPU host from the repo root (after .gpu/part1, part2 and ext
+# are installed, and smolA/smolB for the engine): the kernels and policies against their torch
+# references on CUDA, then the engine on CUDA with SmolLM2's real weights (tests/test_engine_gpu.py).
 #   PYTHONPATH=/tmp/site:/tmp/ext bash benchmarks/gpu_tests.sh
 #   bash benchmarks/gpu_tests.sh kernels|engine   (one half per call: each stays under a call's limit)
 #   bash benchmarks/gpu_tests.sh parallel   (2 GPUs: --tp-size 2 and --dp-size 2 servers; skipped on 1)
@@ -12,7 +12,8 @@
 # Give the engine half a call's whole 10 min: on 2026-11-25 it had not finished in 7 min (no result).
 # JUnit XML goes to ${OUT:-/tmp}/gpu-tests[-PART].xml, the servers' logs under ${OUT:-/tmp}/pytest[-PART].
 set -euo pipefail
-source benchmarks/gpu_smol_model.sh
+# the kernel half reads no model: it runs on a host without the SmolLM2 parts
+if [[ "${1:-all}" == kernels ]]; then source benchmarks/gpu_env.sh; else source benchmarks/gpu_smol_model.sh; fi
 # the installed sglang_ext (its plugin entry point) wins over the checkout; tests/ from the checkout
 kernels=(tests/test_kernels_*.py tests/test_policy_*.py tests/test_lethe_runtime.py tests/test_layer_memory.py)
 case "${1:-all}" in
