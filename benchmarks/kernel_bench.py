@@ -117,9 +117,13 @@ class Inputs:
 
         return run
 
-    def fa3_decode(self):
-        """SGLang's fa3 decode call over this cache (page size 1: the page table is req_to_token)."""
+    def fa3_decode(self, page_table=None, cache_seqlens=None):
+        """SGLang's fa3 decode call over this cache (page size 1: the page table is req_to_token),
+        or over ``page_table``'s slots [batch, width], ``cache_seqlens`` of each row."""
         from sgl_kernel.flash_attn import flash_attn_with_kvcache
+
+        page_table = self.req_to_token if page_table is None else page_table
+        cache_seqlens = self.seq_lens if cache_seqlens is None else cache_seqlens
 
         batch, _, dim = self.q.shape
         kv_heads = self.k.shape[1]
@@ -129,8 +133,8 @@ class Inputs:
         def run():
             flash_attn_with_kvcache(
                 q=self.q, k_cache=self.k.view(-1, 1, kv_heads, dim),
-                v_cache=self.v.view(-1, 1, kv_heads, dim), page_table=self.req_to_token,
-                cache_seqlens=self.seq_lens, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=1,
+                v_cache=self.v.view(-1, 1, kv_heads, dim), page_table=page_table,
+                cache_seqlens=cache_seqlens, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=1,
                 softmax_scale=self.scale, causal=True, out=out,
             )  # fmt: skip
             return out
@@ -365,7 +369,8 @@ def sparse_kernel_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
     """A sparse layer's attention over one selection, by our kernel over the step's slot table
     (its gather, once per selection layer, timed apart: ``sparse_gather_ms``) and by FlashInfer's
     paged decode over the selected slots (page size 1, as SGLang's pool; planned outside the graph
-    as SGLang plans once per step): which one the sparse layers should run (issue 15). DELTA's
+    as SGLang plans once per step), and on Hopper by fa3 with the table as its page table: which
+    one the sparse layers should run (issue 15). DELTA's
     selection is 16-token pages, Tidal's single tokens, both spread over the whole context."""
     from sglang_ext.kernels.sparse_decode import SlotTable
 
@@ -405,33 +410,11 @@ def sparse_kernel_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
             info.row(**point, policy=policy, metric="sparse_flashinfer_ms", value=theirs_ms),
         ]
         if torch.cuda.get_device_capability()[0] == 9:  # fa3 over the slot table as a page table
-            fa3 = table_fa3_decode(inputs, table)
+            fa3 = inputs.fa3_decode(table.slots[:batch], table.count[:batch])
             torch.testing.assert_close(ours_out, fa3(), atol=2e-2, rtol=2e-2)
             metric = "sparse_fa3_ms"
             rows.append(info.row(**point, policy=policy, metric=metric, value=time_ms(fa3)))
     return rows
-
-
-def table_fa3_decode(inputs, table):
-    """sgl_kernel's fa3 decode over a slot table: its slots as a page table of page size 1, its
-    counts as the cache lengths."""
-    from sgl_kernel.flash_attn import flash_attn_with_kvcache
-
-    batch, _, dim = inputs.q.shape
-    kv_heads = inputs.k.shape[1]
-    cu_seqlens_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
-    out = torch.empty_like(inputs.q)
-
-    def run():
-        flash_attn_with_kvcache(
-            q=inputs.q, k_cache=inputs.k.view(-1, 1, kv_heads, dim),
-            v_cache=inputs.v.view(-1, 1, kv_heads, dim), page_table=table.slots[:batch],
-            cache_seqlens=table.count[:batch], cu_seqlens_q=cu_seqlens_q, max_seqlen_q=1,
-            softmax_scale=inputs.scale, causal=True, out=out,
-        )  # fmt: skip
-        return out
-
-    return run
 
 
 def rank_rows(inputs, budget_tokens: int, row_width: int, point: dict, info) -> list[Row]:
