@@ -25,7 +25,10 @@ an end-to-end ratio comes from (a policy's fixed cost per step against its growt
 
 A run too long for one sitting can be split by policy: with --partial-dir, each policy's
 measurement is saved there, and every call reports all policies found there (the same --shape,
---requests, --input-len and --output-len), vanilla's as the baseline.
+--requests, --input-len and --output-len), vanilla's as the baseline. Without it each policy's
+measurement is still saved as it completes, under a directory of this call's own in --out-dir
+(printed), so that a call cut short by a time limit keeps the policies it finished: report them
+with --report-only --partial-dir DIR.
 """
 
 from __future__ import annotations
@@ -375,11 +378,12 @@ def decode_step_curve(log: str) -> tuple[float, float] | None:
     return fixed, slope
 
 
-def partial_path(args, policy: str) -> Path:
+def partial_path(args, policy: str, directory: Path | None = None) -> Path:
+    """Where ``policy``'s measurement of this run is saved: in ``directory``, else --partial-dir."""
     run = f"{harness.run_label(args)}-{args.requests}x{args.input_len}-{args.output_len}"
     # the policy's own name is inside the file
     safe = policy if policy == "*" else harness.file_safe(policy)
-    return args.partial_dir / f"{BENCH}-partial-{run}-{safe}.json"
+    return (directory or args.partial_dir) / f"{BENCH}-partial-{run}-{safe}.json"
 
 
 def saved_runs(args) -> list[PolicyRun]:
@@ -416,12 +420,14 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(args.requests)]
     info = RunInfo.detect()
+    # this call's own directory unless told: no other call's runs are joined by accident
+    saved = args.partial_dir or args.out_dir / harness.file_safe(f"{BENCH}-partial-{info.date}")
+    saved.mkdir(parents=True, exist_ok=True)
+    print(f"{BENCH}: each policy's measurement is saved in {saved} as it completes", flush=True)
     runs = []
     for policy in args.policies:
         run = measure_policy(args, policy, prompts, info)
-        if args.partial_dir:
-            args.partial_dir.mkdir(parents=True, exist_ok=True)
-            run.save(partial_path(args, policy))
+        run.save(partial_path(args, policy, saved))
         runs.append(run)
     if args.partial_dir:
         runs = saved_runs(args)

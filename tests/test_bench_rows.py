@@ -91,6 +91,22 @@ def test_a_split_run_is_reported_from_its_saved_runs_under_the_device_they_ran_o
     assert "| lethe | 64 | 1024 | e2e_output_tok_s | 150 | 100 (fa3) | 1.5 |" in section
 
 
+def test_a_call_cut_short_keeps_the_policies_it_finished(tmp_path, monkeypatch):
+    def measure(args, policy, prompts, info):
+        if policy == "vanilla@flashinfer":
+            raise KeyboardInterrupt  # the call's time limit, mid-run
+        return e2e.PolicyRun(policy, "H100", "0.5.17", info.date, 100.0, 0, [], [[1]], "fa3")
+
+    monkeypatch.setattr(e2e, "measure_policy", measure)
+    argv = ["--shape", "qwen1.5b", "--out-dir", str(tmp_path), "--requests=2", "--input-len=4"]
+    with pytest.raises(KeyboardInterrupt):
+        e2e.main([*argv, "--policies", "vanilla@fa3,vanilla@flashinfer"])
+    [saved] = tmp_path.glob("e2e-partial-*")  # the call's own directory, without --partial-dir
+    results = tmp_path / "R.md"
+    e2e.main([*argv, "--partial-dir", str(saved), "--report-only", "--results-md", str(results)])
+    assert "| vanilla@fa3 | 2 | 4 | e2e_output_tok_s | 100 | 100 (fa3) | 1 |" in results.read_text()
+
+
 def test_a_parallel_run_compares_each_policys_greedy_tokens_with_its_one_gpu_run(tmp_path):
     partial = tmp_path / "partial"
     partial.mkdir()
