@@ -27,7 +27,7 @@ A run too long for one sitting can be split by policy: with --partial-dir, each 
 measurement is saved there, and every call reports all policies found there (the same --shape,
 --requests, --input-len and --output-len), vanilla's as the baseline. Without it each policy's
 measurement is still saved as it completes, under a directory of this call's own in --out-dir
-(printed), so that a call cut short by a time limit keeps the policies it finished: report them
+(printed; git ignores it), so that a call cut short by a time limit keeps the policies it finished: report them
 with --report-only --partial-dir DIR.
 """
 
