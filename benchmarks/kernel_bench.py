@@ -19,6 +19,7 @@ device-to-device copy bandwidth.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
@@ -302,17 +303,29 @@ def stage1_tuning_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
             name = f"bn{block_n}-w{warps}-s{stages}" + ("*" if launch == skv.STAGE1_WHOLE else "")
             metric = f"stage1_ms:{name}"
             rows.append(info.row(**point, policy=kind, metric=metric, value=time_ms(run)))
-        # the split count (the engine's choice marked), at the kind's default launch
+        # the split count (the engine's choice marked), at the kind's default launch, and where
+        # the last split's program may merge, with the other merge: "-merged" by that program,
+        # "-launch" by stage 2's launch
         per_sm = skv.SHORT_LIST_PROGRAMS_PER_SM if kind == "sparse" else skv.PROGRAMS_PER_SM
         default = skv.num_kv_splits_for(batch, kv_heads, tokens, "cuda", per_sm)
+        kind_launch = skv.STAGE1_WHOLE if kind == "select" else skv.STAGE1_SELECTED
+        merged = kind_launch.merge_in_last_split
+        other = replace(kind_launch, merge_in_last_split=not merged)
+        merges = {"": kind_launch, "-launch" if merged else "-merged": other}
         for splits in sorted({1, 2, 4, 8, 16, 32, 64, default}):
             fixed = skv.SplitKVWorkspace(batch, q_heads, kv_heads, dim, tokens, "cuda", splits)
+            for suffix, launch in merges.items():
+                if suffix and not 1 < splits <= skv.MAX_MERGED_SPLITS:
+                    continue  # the same launch as the row without the suffix
 
-            def run(args=args, extra=extra, workspace=fixed):
-                skv.split_kv_decode(*args, inputs.scale, **extra, workspace=workspace, out=out)
+                def run(args=args, extra=extra, workspace=fixed, launch=launch):
+                    skv.split_kv_decode(
+                        *args, inputs.scale, **extra, workspace=workspace, out=out, launch=launch
+                    )
 
-            metric = f"stage1_ms:splits{splits}" + ("*" if splits == default else "")
-            rows.append(info.row(**point, policy=kind, metric=metric, value=time_ms(run)))
+                star = "*" if splits == default else ""
+                metric = f"stage1_ms:splits{splits}{suffix}{star}"
+                rows.append(info.row(**point, policy=kind, metric=metric, value=time_ms(run)))
     return rows
 
 

@@ -2,7 +2,8 @@
 
 Mirrors SGLang's triton decode kernel (sglang/kernels/ops/attention/decode_attention.py): stage 1
 gives each (request, KV head, split) program one slice of the request's tokens and all query heads
-of that KV group; it writes a partial output and its log-sum-exp. Stage 2 merges the splits by LSE.
+of that KV group; it writes a partial output and its log-sum-exp. Stage 2 merges the splits by LSE
+(or, over few splits, the last of a group's stage-1 programs to finish does: no second launch).
 Differences: tokens are addressed by logical position through `req_to_token` (optionally through a
 per-request list of selected pages or tokens), every split always writes (an empty one writes
 LSE = -inf), the final LSE is returned, and stage 1 can also store the scaled logits q·k for
@@ -26,6 +27,11 @@ PROGRAMS_PER_SM = 4
 # the 16 of four programs per SM take 19.2; whole-cache reads are flat from 4 programs per SM on.
 SHORT_LIST_PROGRAMS_PER_SM = 2
 MAX_KV_SPLITS = 128
+# Up to this many splits the last program of a (request, KV head) to finish merges them itself,
+# where its launch says so: a sparse layer over 1k tokens at batch 64 (4 splits) takes 31.5 µs so
+# against 33.8 with stage 2's launch; with 8 or 16 splits the merge costs what the launch did or
+# more (kernel_bench --parts tune, H100, 2026-11-28).
+MAX_MERGED_SPLITS = 4
 # Triton's interpreter multiplies bf16 tl.dot operands as raw uint16 bits (triton 3.8), so under it
 # the dots run on fp32 copies; compiled kernels keep native-dtype tensor-core dots.
 _DOT_IN_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -34,17 +40,21 @@ _DOT_IN_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
 @dataclasses.dataclass(frozen=True)
 class Stage1Launch:
     """Stage 1's tile and launch: tokens per inner step (a multiple of _BLOCK_N), warps and
-    software-pipeline stages (benchmarks.kernel_bench --parts tune measures the choices)."""
+    software-pipeline stages, and whether the last split merges (up to MAX_MERGED_SPLITS splits;
+    else stage 2's launch does) (benchmarks.kernel_bench --parts tune measures the choices)."""
 
     block_n: int
     num_warps: int
     num_stages: int
+    merge_in_last_split: bool = True
 
 
 # Measured on an H100 (kernel_bench --parts tune, qwen1.5b shape, 32k, batch 1 and 64): over the
 # whole cache (selection layers) 64-token tiles and 3 stages are 20% faster at batch 64 than
 # (32, 4, 2); over scattered selected pages 32-token tiles with 3 stages are best.
-STAGE1_WHOLE = Stage1Launch(block_n=64, num_warps=4, num_stages=3)
+# The merge's registers slow the whole-cache loop: at batch 64 with 4 splits it took 0.468 ms where
+# stage 2's launch took 0.401 (same run as above), so over the whole cache stage 2 merges.
+STAGE1_WHOLE = Stage1Launch(block_n=64, num_warps=4, num_stages=3, merge_in_last_split=False)
 STAGE1_SELECTED = Stage1Launch(block_n=32, num_warps=4, num_stages=3)
 
 
@@ -63,6 +73,9 @@ def _stage1(
     MidLse,
     Logits,
     LogitsRowStart,
+    Out,
+    Lse,
+    Arrivals,
     sm_scale,
     stride_qb,
     stride_qh,
@@ -79,18 +92,23 @@ def _stage1(
     stride_lse_h,
     stride_lg_b,
     stride_lg_h,
+    stride_ob,
+    stride_oh,
     logits_len,
     num_splits,
+    num_kv_heads,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SELECTED_SPAN: tl.constexpr,
     INDIRECT_ROWS: tl.constexpr,
     LENGTH_AT_ROW: tl.constexpr,
     STORE_LOGITS: tl.constexpr,
     RAGGED_LOGITS: tl.constexpr,
+    MERGE_SPLITS: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
 ):
     batch = tl.program_id(0).to(tl.int64)
@@ -193,6 +211,60 @@ def _stage1(
     )
     lse = tl.where(has_tokens, e_max + tl.log(tl.where(has_tokens, e_sum, 1.0)), float("-inf"))
     tl.store(MidLse + batch * stride_lse_b + heads * stride_lse_h + split, lse, mask=mask_h)
+    if MERGE_SPLITS > 0:
+        # Every warp's partial is stored before the count is released (at GPU scope); the
+        # program that brings the count to the split count reads all of them after acquiring it.
+        tl.debug_barrier()
+        arrival = Arrivals + batch * num_kv_heads + kv_head
+        if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") == MERGE_SPLITS - 1:
+            _merge_group(
+                MidO, MidLse, Out, Lse, batch, kv_head, stride_mid_b, stride_mid_h, stride_mid_s,
+                stride_lse_b, stride_lse_h, stride_ob, stride_oh, num_kv_heads * GROUP,
+                MERGE_SPLITS, GROUP, BLOCK_G, HEAD_DIM, BLOCK_D,
+            )  # fmt: skip
+            tl.store(arrival, 0)  # ready for the next call (a replayed graph's too)
+
+
+@triton.jit
+def _merge_group(
+    MidO, MidLse, Out, Lse, batch, kv_head, stride_mid_b, stride_mid_h, stride_mid_s,
+    stride_lse_b, stride_lse_h, stride_ob, stride_oh, num_heads,
+    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Stage 2 for one KV group's query heads, by stage 1's last program. The loop is unrolled so
+    that every split's loads are in flight at once (a loop over them waited on each); they
+    bypass L1 (.cg), which may hold lines from before the other programs' stores."""
+    offs_h = tl.arange(0, BLOCK_G)  # the group's heads only: BLOCK_H pads them for tl.dot
+    mask_h = offs_h < GROUP
+    heads = kv_head * GROUP + offs_h
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_hd = mask_h[:, None] & (offs_d[None, :] < HEAD_DIM)
+    lse_row = MidLse + batch * stride_lse_b + heads * stride_lse_h
+    out_rows = MidO + batch * stride_mid_b + heads[:, None] * stride_mid_h + offs_d[None, :]
+    top = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    merged = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for s in tl.static_range(NUM_SPLITS):  # online, as over tokens: an empty split weighs 0
+        split_lse = tl.load(lse_row + s, mask=mask_h, other=float("-inf"), cache_modifier=".cg")
+        split_out = tl.load(
+            out_rows + s * stride_mid_s, mask=mask_hd, other=0.0, cache_modifier=".cg"
+        )
+        new_top = tl.maximum(top, split_lse)
+        shift = tl.where(new_top == float("-inf"), 0.0, new_top)
+        rescale = tl.exp(top - shift)
+        weight = tl.exp(split_lse - shift)
+        merged = merged * rescale[:, None] + weight[:, None] * split_out
+        total = total * rescale + weight
+        top = new_top
+    safe_total = tl.where(total > 0, total, 1.0)
+    tl.store(
+        Out + batch * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+        (merged / safe_total[:, None]).to(Out.dtype.element_ty),
+        mask=mask_hd,
+    )
+    lse = tl.where(total > 0, top + tl.log(safe_total), float("-inf"))
+    tl.store(Lse + batch * num_heads + heads, lse, mask=mask_h)
 
 
 @triton.jit
@@ -283,6 +355,8 @@ class SplitKVWorkspace:
         self._mid_out = torch.empty(most * num_q_heads * head_dim, **f32)
         self._mid_lse = torch.empty(most * num_q_heads, **f32)
         self._lse = torch.empty(max_batch * num_q_heads, **f32)
+        # splits finished per (request, KV head), back to 0 after each call's merge
+        self._arrivals = torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=device)
 
     def views(self, batch: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(splits, mid_out [batch, q_heads, splits, dim], mid_lse [batch, q_heads, splits],
@@ -296,6 +370,10 @@ class SplitKVWorkspace:
             mid_lse.view(batch, heads, splits),
             self._lse[: batch * heads].view(batch, heads),
         )
+
+    def arrivals(self, batch: int) -> torch.Tensor:
+        """The merge's counters for a batch of ``batch`` requests (int32 [batch, KV heads])."""
+        return self._arrivals[: batch * self.num_kv_heads].view(batch, self.num_kv_heads)
 
 
 def split_kv_decode(
@@ -342,6 +420,7 @@ def split_kv_decode(
     if workspace is not None:
         assert num_kv_splits is None, "the workspace fixes the split count"
         num_kv_splits, mid_out, mid_lse, lse = workspace.views(batch)
+        arrivals = workspace.arrivals(batch)
     else:
         if num_kv_splits is None:
             most = selected.shape[1] * selected_span if sparse else req_to_token.shape[1]
@@ -350,9 +429,11 @@ def split_kv_decode(
         mid_out = torch.empty(batch, num_q_heads, num_kv_splits, head_dim, **f32)
         mid_lse = torch.empty(batch, num_q_heads, num_kv_splits, **f32)
         lse = torch.empty(batch, num_q_heads, **f32)
+        arrivals = torch.zeros(batch, num_kv_heads, dtype=torch.int32, device=q.device)
     out = torch.empty_like(q) if out is None else out
     if num_kv_splits == 1:  # stage 1 writes the result: nothing to merge
         mid_out, mid_lse = out.unsqueeze(2), lse.unsqueeze(2)
+    merge_in_last = launch.merge_in_last_split and 1 < num_kv_splits <= MAX_MERGED_SPLITS
     selected_arg = selected if sparse else seq_lens  # unread placeholders keep the signature fixed
     rows_arg = selected_rows if selected_rows is not None else seq_lens
     logits_arg = logits if logits is not None else mid_lse
@@ -363,20 +444,22 @@ def split_kv_decode(
     _stage1[(batch, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
         selected_arg, rows_arg, num_selected if sparse else seq_lens, mid_out, mid_lse, logits_arg,
-        logits_row_start if ragged else seq_lens, sm_scale,
+        logits_row_start if ragged else seq_lens, out, lse, arrivals, sm_scale,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0), selected_arg.stride(0),
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
-        lg_stride_b, lg_stride_h, logits_arg.shape[-1], num_kv_splits,
+        lg_stride_b, lg_stride_h, out.stride(0), out.stride(1), logits_arg.shape[-1],
+        num_kv_splits, num_kv_heads,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=launch.block_n,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_G=triton.next_power_of_2(group),
+        BLOCK_N=launch.block_n,
         SELECTED_SPAN=selected_span if sparse else 0, INDIRECT_ROWS=selected_rows is not None,
         LENGTH_AT_ROW=lengths_by_row, STORE_LOGITS=logits is not None, RAGGED_LOGITS=ragged,
-        DOT_IN_FP32=_DOT_IN_FP32,
+        MERGE_SPLITS=num_kv_splits if merge_in_last else 0, DOT_IN_FP32=_DOT_IN_FP32,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
-    if num_kv_splits > 1:
+    if num_kv_splits > 1 and not merge_in_last:
         merge_splits(mid_out, mid_lse, out, lse)
     return out, lse
 

@@ -243,3 +243,44 @@ def test_every_stage1_launch_computes_the_same_attention(block_n, warps, stages)
         launch=launch,
     )  # fmt: skip
     torch.testing.assert_close(out, sparse, **OUT_TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_last_split_merges_as_the_merge_launch_does_and_resets_its_counters(dtype):
+    """The last program of each (request, KV head) merges the splits; its counters return to 0,
+    so a second call (a replayed graph's) merges again, the empty row included."""
+    from sglang_ext.kernels.split_kv_decode import (
+        STAGE1_SELECTED,
+        Stage1Launch,
+        SplitKVWorkspace,
+        split_kv_decode,
+    )
+
+    batch, sm_scale = make_batch(dtype, seq_lens=(5, 0, 70))
+    assert STAGE1_SELECTED.merge_in_last_split
+    launch = Stage1Launch(32, 4, 2, merge_in_last_split=False)
+    expected, expected_lse = split_kv_decode(
+        **batch, sm_scale=sm_scale, num_kv_splits=4, launch=launch
+    )
+    workspace = SplitKVWorkspace(4, 6, 2, 64, max_tokens=96, device=DEVICE, num_splits=4)
+    out = torch.empty_like(batch["q"])
+
+    def decode():
+        out.fill_(float("nan"))
+        return split_kv_decode(
+            **batch, sm_scale=sm_scale, workspace=workspace, out=out, launch=STAGE1_SELECTED
+        )
+
+    calls = [decode] * 2
+    if DEVICE == "cuda":  # and as the engine replays it: from a CUDA graph
+        decode()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            _, graph_lse = decode()
+        calls += [lambda: (graph.replay(), (out, graph_lse))[1]] * 2
+    for call in calls:
+        _, lse = call()
+        assert not workspace.arrivals(3).any()
+        assert not out[1].any() and lse[1].eq(float("-inf")).all()
+        torch.testing.assert_close(out, expected, **OUT_TOL[dtype])
+        torch.testing.assert_close(lse, expected_lse, atol=1e-4, rtol=1e-4)
