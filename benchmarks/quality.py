@@ -78,13 +78,17 @@ class PolicyRun:
 
     @property
     def base_label(self) -> str | None:
-        """The run this one is compared with besides full attention: its base's, when ART is on."""
+        """The run this one is compared with besides full attention: its base's, when ART is on
+        (an ``art`` variant's parameters are ART's: its base is full attention)."""
         if self.base == self.policy:
             return None
-        return dataclasses.replace(self, policy=self.base).label
+        params = () if self.policy == "art" else self.params
+        return dataclasses.replace(self, policy=self.base, params=params).label
 
     @property
     def config(self) -> dict | None:
+        if self.policy == "art":
+            return dict(self.params) or None
         if self.base == "delta":
             return {**policy_class("delta").for_token_budget(self.budget), **dict(self.params)}
         if self.base == "tidal":
@@ -115,10 +119,11 @@ def policy_runs(
     if corrections and "tidal" not in policies:
         raise SystemExit("--correction-intervals applies to tidal: add it to --policies")
     sparse += [PolicyRun("tidal", b, t) for t in corrections for b in budgets]
-    if unserved := sorted({name for name, _ in variants} - {"delta", "tidal"}):
-        raise SystemExit(f"--variants: this benchmark varies delta and tidal, not {unserved}")
-    sparse += [PolicyRun(name, b, params=tuple(params.items())) for name, params in variants
-               for b in budgets]  # fmt: skip
+    if unserved := sorted({name for name, _ in variants} - {"delta", "tidal", "art"}):
+        raise SystemExit(f"--variants: this benchmark varies delta, tidal and art, not {unserved}")
+    for name, params in variants:  # art has no budget: one run of each
+        runs_budgets = [None] if name == "art" else budgets
+        sparse += [PolicyRun(name, b, params=tuple(params.items())) for b in runs_budgets]
     return [PolicyRun(FULL, None), *sparse]
 
 
@@ -144,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--variants", type=harness.variant_list,
         default=[],
-        help="also run delta or tidal with parameters changed, per budget: "
+        help="also run delta or tidal with parameters changed, per budget, or art once: "
         "'delta:full_layers=[0],delta_layers=[1,4,14,22];tidal:sink_tokens=0'",
     )  # fmt: skip
     parser.add_argument("--dtype", default="float32", help="engine dtype (default: float32)")

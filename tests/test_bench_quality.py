@@ -35,3 +35,11 @@ def test_a_variant_runs_at_each_budget_with_its_parameters_over_the_budgets():
 def test_a_variant_of_a_policy_the_benchmark_does_not_vary_is_refused():
     with pytest.raises(SystemExit, match="--variants"):
         policy_runs(["full", "delta"], [512], variants=[("lethe", {"max_kv_ratio": 0.5})])
+
+
+def test_an_art_variant_runs_once_with_its_parameters_against_full_attention():
+    variants = [("art", {"tau": 1e-3, "patience": 2})]
+    runs = policy_runs(["full", "delta"], [512, 1024], variants=variants)
+    (art,) = [run for run in runs if run.policy == "art"]
+    assert art.budget is None and art.label == "art[tau=0.001,patience=2]"
+    assert art.config == {"tau": 1e-3, "patience": 2} and art.base_label == "full"
