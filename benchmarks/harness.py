@@ -188,13 +188,13 @@ def name_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
-def policy_variant(text: str) -> tuple[str, dict]:
-    """``NAME:KEY=VALUE,...`` -> (policy name, parameters); values are JSON (numbers, lists)."""
+def policy_variant(text: str, policies=("delta", "tidal", "lethe")) -> tuple[str, dict]:
+    """``NAME:KEY=VALUE,...`` -> (policy name, parameters) for NAME among ``policies``; values
+    are JSON (numbers, lists)."""
     name, _, assignments = text.partition(":")
-    if name not in ("delta", "tidal", "lethe") or not assignments:
-        raise argparse.ArgumentTypeError(
-            f"expected delta:KEY=VALUE,..., tidal:... or lethe:..., got {text!r}"
-        )
+    if name not in policies or not assignments:
+        expected = ", ".join(f"{policy}:KEY=VALUE,..." for policy in policies)
+        raise argparse.ArgumentTypeError(f"expected {expected}; got {text!r}")
     params = {}
     # a comma starts the next KEY=VALUE only where one follows: a list value keeps its commas
     for assignment in re.split(r",(?=\s*[A-Za-z_]\w*=)", assignments):
@@ -214,9 +214,9 @@ def policy_variant(text: str) -> tuple[str, dict]:
     return name, params
 
 
-def variant_list(text: str) -> list[tuple[str, dict]]:
+def variant_list(text: str, policies=("delta", "tidal", "lethe")) -> list[tuple[str, dict]]:
     """``--variants``: policy variants separated by ';' (``policy_variant`` each)."""
-    return [policy_variant(part) for part in text.split(";") if part]
+    return [policy_variant(part, policies) for part in text.split(";") if part]
 
 
 def split_policy(name: str) -> tuple[str, str | None]:

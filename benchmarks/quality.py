@@ -41,6 +41,7 @@ SHAPE = "smollm2-135m-instruct"  # the embedded model, real weights
 FULL = "full"
 ART_SUFFIX = "+art"
 BASES = (FULL, "delta", "tidal")
+VARIED = ("delta", "tidal", "art")  # the policies --variants may change
 DEFAULT_SEEDS_DIR = harness.BENCH_DIR.parents[1] / "shared" / "seeds"
 # Fallback passages where the seeds are absent: large, prose-heavy stdlib modules.
 STDLIB_SOURCES = ["argparse.py", "inspect.py", "typing.py"]
@@ -119,8 +120,8 @@ def policy_runs(
     if corrections and "tidal" not in policies:
         raise SystemExit("--correction-intervals applies to tidal: add it to --policies")
     sparse += [PolicyRun("tidal", b, t) for t in corrections for b in budgets]
-    if unserved := sorted({name for name, _ in variants} - {"delta", "tidal", "art"}):
-        raise SystemExit(f"--variants: this benchmark varies delta, tidal and art, not {unserved}")
+    if unserved := sorted({name for name, _ in variants} - set(VARIED)):
+        raise SystemExit(f"--variants: this benchmark varies {', '.join(VARIED)}, not {unserved}")
     for name, params in variants:  # art has no budget: one run of each
         runs_budgets = [None] if name == "art" else budgets
         sparse += [PolicyRun(name, b, params=tuple(params.items())) for b in runs_budgets]
@@ -147,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run tidal with cache correction every T decode steps, per T",
     )
     parser.add_argument(
-        "--variants", type=harness.variant_list,
+        "--variants", type=lambda text: harness.variant_list(text, VARIED),
         default=[],
         help="also run delta or tidal with parameters changed, per budget, or art once: "
         "'delta:full_layers=[0],delta_layers=[1,4,14,22];tidal:sink_tokens=0'",

@@ -2,7 +2,8 @@
 
 import pytest
 
-from benchmarks.quality import policy_runs
+from benchmarks import harness
+from benchmarks.quality import VARIED, policy_runs
 
 
 def test_art_runs_name_their_base_run_and_keep_its_budget_config():
@@ -38,7 +39,7 @@ def test_a_variant_of_a_policy_the_benchmark_does_not_vary_is_refused():
 
 
 def test_an_art_variant_runs_once_with_its_parameters_against_full_attention():
-    variants = [("art", {"tau": 1e-3, "patience": 2})]
+    variants = [harness.policy_variant("art:tau=1e-3,patience=2", VARIED)]
     runs = policy_runs(["full", "delta"], [512, 1024], variants=variants)
     (art,) = [run for run in runs if run.policy == "art"]
     assert art.budget is None and art.label == "art[tau=0.001,patience=2]"
