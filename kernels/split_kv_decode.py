@@ -28,7 +28,7 @@ PROGRAMS_PER_SM = 4
 SHORT_LIST_PROGRAMS_PER_SM = 2
 MAX_KV_SPLITS = 128
 # Up to this many splits the last program of a (request, KV head) to finish merges them itself,
-# where its launch says so: a sparse layer over 1k tokens at batch 64 (4 splits) takes 31.5 µs so
+# where its launch says so: a sparse layer over 1k tokens at batch 64 (4 splits) takes 31.5 µs
 # against 33.8 with stage 2's launch; with 8 or 16 splits the merge costs what the launch did or
 # more (kernel_bench --parts tune, H100, 2026-11-28).
 MAX_MERGED_SPLITS = 4
@@ -39,9 +39,10 @@ _DOT_IN_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
 
 @dataclasses.dataclass(frozen=True)
 class Stage1Launch:
-    """Stage 1's tile and launch: tokens per inner step (a multiple of _BLOCK_N), warps and
-    software-pipeline stages, and whether the last split merges (up to MAX_MERGED_SPLITS splits;
-    else stage 2's launch does) (benchmarks.kernel_bench --parts tune measures the choices)."""
+    """Stage 1's tile and launch: tokens per inner step (a multiple of _BLOCK_N), warps,
+    software-pipeline stages, and whether the last split's program merges the splits (at up to
+    MAX_MERGED_SPLITS; else stage 2's launch does). benchmarks.kernel_bench --parts tune measures
+    the choices."""
 
     block_n: int
     num_warps: int
