@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants", type=lambda text: harness.variant_list(text, VARIED),
         default=[],
         help="also run delta or tidal with parameters changed, per budget, or art once: "
-        "'delta:full_layers=[0],delta_layers=[1,4,14,22];tidal:sink_tokens=0'",
+        "'delta:full_layers=[0],delta_layers=[1,4,14,22];tidal:sink_tokens=0;art:patience=2'",
     )  # fmt: skip
     parser.add_argument("--dtype", default="float32", help="engine dtype (default: float32)")
     parser.add_argument(
