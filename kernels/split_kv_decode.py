@@ -233,9 +233,11 @@ def _merge_group(
     NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Stage 2 for one KV group's query heads, by stage 1's last program. The loop is unrolled so
-    that every split's loads are in flight at once (a loop over them waited on each); they
-    bypass L1 (.cg), which may hold lines from before the other programs' stores."""
+    """Stage 2 for one KV group's query heads, by stage 1's last program: _stage2's merge, but
+    over a compile-time split count (_stage2 takes up to MAX_KV_SPLITS at run time, a program per
+    query head). The loop is unrolled so that every split's loads are in flight at once (a loop
+    over them waited on each); they bypass L1 (.cg), which may hold lines from before the other
+    programs' stores."""
     offs_h = tl.arange(0, BLOCK_G)  # the group's heads only: BLOCK_H pads them for tl.dot
     mask_h = offs_h < GROUP
     heads = kv_head * GROUP + offs_h
