@@ -23,6 +23,12 @@ throughput every 40 steps) while the whole batch runs: ``decode_step_fixed_ms`` 
 ``decode_step_slope_ms`` (per 1,024 tokens of each request's context), a least-squares line: where
 an end-to-end ratio comes from (a policy's fixed cost per step against its growth with context).
 
+``--real-weights`` serves the embedded model (SmolLM2-135M-Instruct, ``--shape smol``) with its real
+weights instead, each request a different window of natural text (the quality benchmark's
+passages) in the model's chat template: where what a policy reads depends on real attention (ART
+stops on it). Its rows add ``decode_step_ms``: the median step time (TPOT) of the server's decode
+log lines at the full batch.
+
 A run too long for one sitting can be split by policy: with --partial-dir, each policy's
 measurement is saved there, and every call reports all policies found there (the same --shape,
 --requests, --input-len and --output-len), vanilla's as the baseline. Without it each policy's
@@ -52,6 +58,7 @@ from benchmarks.harness import EngineServer, Row, RunInfo
 from sglang_ext.launch import flag_value
 
 BENCH = "e2e"
+REAL_WEIGHTS_SHAPE = "smol"  # the embedded model's shape (--real-weights)
 # Logged by sglang_ext.engine.backends when an engine process builds a policy backend.
 POLICY_ACTIVE_LOG = "decoding with policy"
 RETRACTED_LOG = re.compile(r"Retract requests\. #retracted_reqs: (\d+)")
@@ -86,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed", type=int, default=0, help="of the random input ids (same for every policy)"
     )
     parser.add_argument(
+        "--real-weights", action="store_true",
+        help="the embedded model's real weights on natural-text prompts (--shape smol)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--seeds-dir", type=Path, default=None,
+        help="text files for --real-weights' passages (default: the quality benchmark's)",
+    )  # fmt: skip
+    parser.add_argument(
         "--partial-dir",
         type=Path,
         help="save each policy's measurement here and report every policy saved here",
@@ -102,9 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
 def server_argv(args: argparse.Namespace, policy: str, port: int) -> list[str]:
     """The server of ``policy``: NAME or NAME@BACKEND (``vanilla@fa3``: SGLang on fa3)."""
     name, backend = harness.split_policy(policy)
+    if args.real_weights:
+        from sglang_ext.model import default_model_path
+
+        weights = ["--model-path", str(default_model_path())]
+    else:
+        weights = ["--model-path", str(harness.shape_path(args.shape)), "--load-format", "dummy"]
     flags = [
-        "--model-path", str(harness.shape_path(args.shape)),
-        "--load-format", "dummy",
+        *weights,
         "--skip-tokenizer-init",
         "--host", "127.0.0.1",
         "--port", str(port),
@@ -270,7 +290,7 @@ def _match_rows(
     """A row per run with a reference: ``measure`` of its greedy outputs against it."""
     return [
         info.row(
-            bench=BENCH, policy=run.policy, model_shape=args.shape, batch=1, context=args.input_len,
+            bench=BENCH, policy=run.policy, model_shape=harness.model_label(args), batch=1, context=args.input_len,
             metric=f"greedy_{GREEDY_CHECK_TOKENS}_tokens_{what}",
             value=measure(run.greedy, reference),
             attention_backend=run.attention_backend, kv_source="real",
@@ -295,6 +315,7 @@ class PolicyRun:
     attention_backend: str = ""  # SGLang's --attention-backend of its server
     budget: str = ""  # the policy's KV budget (KVPolicy.budget)
     step_curve: tuple[float, float] | None = None  # decode_step_curve of its server's log
+    step_ms: float | None = None  # decode_step_ms of its server's log (TPOT at the full batch)
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(dataclasses.asdict(self)) + "\n")
@@ -323,9 +344,11 @@ class PolicyRun:
         if self.step_curve is not None:
             fixed, slope = self.step_curve
             metrics |= {"decode_step_fixed_ms": fixed, "decode_step_slope_ms": slope}
+        if self.step_ms is not None:
+            metrics["decode_step_ms"] = self.step_ms
         return [
             Row(
-                bench=BENCH, policy=self.policy, model_shape=args.shape, batch=args.requests,
+                bench=BENCH, policy=self.policy, model_shape=harness.model_label(args), batch=args.requests,
                 context=args.input_len, metric=name, value=value, device=self.device,
                 sglang_version=self.sglang_version, date=self.date,
                 attention_backend=self.attention_backend, kv_source="real", budget=self.budget,
@@ -349,7 +372,7 @@ def measure_policy(args, policy: str, prompts: list[list[int]], info: RunInfo) -
             harness.request_policies(policy),
         )  # fmt: skip
         retracted = sum(int(n) for n in RETRACTED_LOG.findall(server.log()))
-        step_curve = decode_step_curve(server.log())
+        step_curve, step_ms = decode_step_curve(server.log()), decode_step_ms(server.log())
         greedy = [
             generate(server.url, ids, GREEDY_CHECK_TOKENS)
             for ids in prompts[:GREEDY_CHECK_REQUESTS]
@@ -360,17 +383,29 @@ def measure_policy(args, policy: str, prompts: list[list[int]], info: RunInfo) -
         output_tok_s=tok_s, retracted=retracted, samples=sampler.samples, greedy=greedy,
         attention_backend=flag_value(argv, "--attention-backend", ""),
         budget=harness.policy_budget(policy, args.policy_config), step_curve=step_curve,
+        step_ms=step_ms,
     )  # fmt: skip
+
+
+def full_batch_steps(log: str) -> list[tuple[float, float]]:
+    """(mean context per request / 1,024, step ms) of each of the server's decode log lines at its
+    largest batch, a line's step time being requests / gen throughput; the first such line is
+    left out (its interval holds the prefill)."""
+    lines = [(int(r), int(t), float(g)) for r, t, g in DECODE_LOG.findall(log)]
+    batch = max((r for r, _, _ in lines), default=0)
+    return [(t / r / 1024, 1e3 * r / g) for r, t, g in lines if r == batch and g > 0][1:]
+
+
+def decode_step_ms(log: str) -> float | None:
+    """The median decode step (ms) at the full batch (``full_batch_steps``); None without one."""
+    steps = [step for _, step in full_batch_steps(log)]
+    return statistics.median(steps) if steps else None
 
 
 def decode_step_curve(log: str) -> tuple[float, float] | None:
     """(ms at context 0, ms per 1,024 tokens of context) of a decode step: the least-squares line
-    through the server's decode log lines at its largest batch, each line's step time being
-    requests / gen throughput at its mean context per request. The first such line is left out
-    (its interval holds the prefill); None with fewer than three lines left."""
-    lines = [(int(r), int(t), float(g)) for r, t, g in DECODE_LOG.findall(log)]
-    batch = max((r for r, _, _ in lines), default=0)
-    full = [(t / r / 1024, 1e3 * r / g) for r, t, g in lines if r == batch and g > 0][1:]
+    through ``full_batch_steps``; None with fewer than three lines."""
+    full = full_batch_steps(log)
     if len(full) < 3:
         return None
     contexts, step_ms = zip(*full, strict=True)
@@ -406,6 +441,8 @@ def saved_run_info(runs: list[PolicyRun]) -> RunInfo:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.real_weights and args.shape != REAL_WEIGHTS_SHAPE:
+        build_parser().error(f"--real-weights serves SmolLM2: --shape {REAL_WEIGHTS_SHAPE}")
     if args.report_only:
         if not args.partial_dir:
             build_parser().error("--report-only needs --partial-dir")
@@ -416,9 +453,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not all(harness.is_vanilla(policy) for policy in args.policies):
         harness.require_plugin_entry_point()
-    vocab = harness.shape_config(args.shape)["vocab_size"]
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(args.requests)]
+    prompts = real_prompts(args) if args.real_weights else random_prompts(args)
     info = RunInfo.detect()
     # this call's own directory unless told: no other call's runs are joined by accident
     saved = args.partial_dir or args.out_dir / harness.file_safe(f"{BENCH}-partial-{info.date}")
@@ -432,6 +467,34 @@ def main(argv: list[str] | None = None) -> None:
     if args.partial_dir:
         runs = saved_runs(args)
     report(args, runs, info)
+
+
+def random_prompts(args) -> list[list[int]]:
+    vocab = harness.shape_config(args.shape)["vocab_size"]
+    rng = random.Random(args.seed)
+    return [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(args.requests)]
+
+
+def real_prompts(args) -> list[list[int]]:
+    """--requests chat prompts of exactly --input-len tokens, request i a passage starting
+    --seed + 509 (i // n) tokens into source i % n of the quality benchmark's n passages: no two
+    share more than the chat template's first tokens."""
+    from transformers import AutoTokenizer
+
+    from benchmarks import quality
+    from sglang_ext.model import default_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    origin, sources = quality.passage_sources(
+        args.seeds_dir or quality.DEFAULT_SEEDS_DIR, args.input_len, tokenizer
+    )
+    print(f"{BENCH}: prompts from {origin}", flush=True)
+    windows = []
+    for i in range(args.requests):
+        source = sources[i % len(sources)]
+        start = (args.seed + 509 * (i // len(sources))) % max(len(source) - args.input_len, 1)
+        windows.append(source[start:])
+    return quality.greedy_prompts(tokenizer, windows, [args.input_len] * args.requests)
 
 
 def report(args, runs: list[PolicyRun], info: RunInfo) -> None:

@@ -3,10 +3,13 @@
 # kernel, decode-step time (TPOT) in the engine, and quality against the base policies. From the
 # repo root, with SGLang and this project installed (scripts/gpu_install_ext.sh) and, for
 # `kernels` and `quality`, the .gpu/smolA and .gpu/smolB parts' GGUF in /tmp/models:
-#   PYTHONPATH=/tmp/site:/tmp/ext bash benchmarks/gpu_art.sh tests|kernels|decode|quality
+#   PYTHONPATH=/tmp/site:/tmp/ext bash benchmarks/gpu_art.sh tests|kernels|decode|quality|tpot
 # - kernels: random qwen1.5b-shaped inputs (softmax over random keys is flat, so these rows
 #   measure the detector's cost, art-p0 against our kernel without it), then SmolLM2's real
 #   attention inputs with ART's defaults and with ART_LOOSE (a looser setting, for the trade-off).
+# - tpot: end to end on SmolLM2's real weights (prefill computed, natural-text prompts from
+#   SEEDS_DIR, default .gpu/seeds where carried): each of POLICIES with CONFIG, every policy saved
+#   under PARTIAL and all reported (so a run can be split over calls on one host).
 # Outputs as benchmarks/gpu_selection.sh.
 set -euo pipefail
 python=${PYTHON:-python3}
@@ -37,5 +40,13 @@ case "${1:?tests, kernels, decode or quality}" in
     "$python" -m benchmarks.quality "${common[@]}" --log-dir "$logs" --dtype bfloat16 \
       --server-args=--disable-prefill-cuda-graph --policies ${POLICIES:-full,art,delta,delta+art} \
       --budgets ${BUDGETS:-512} ${QUALITY_ARGS:-} ;;
+  tpot)
+    source benchmarks/gpu_smol_model.sh
+    seeds=${SEEDS_DIR:-.gpu/seeds}
+    "$python" -m benchmarks.e2e --shape smol --real-weights ${seeds:+--seeds-dir "$seeds"} \
+      --requests ${REQUESTS:-64} --input-len ${INPUT_LEN:-7424} --output-len ${OUTPUT_LEN:-512} \
+      --context-length 8192 --policies ${POLICIES:-vanilla@fa3,delta,art,delta+art} \
+      ${CONFIG:+--policy-config "$CONFIG"} --partial-dir "${PARTIAL:-$out/tpot}" \
+      --log-dir "$logs" "${common[@]}" ;;
 esac
 echo "gpu_art $1: done in ${SECONDS}s"

@@ -28,6 +28,7 @@ CONFIGS_DIR = BENCH_DIR / "configs"
 DEFAULT_OUT_DIR = BENCH_DIR / "results"
 DEFAULT_RESULTS_MD = BENCH_DIR / "RESULTS.md"
 VANILLA = "vanilla"
+REAL_MODEL = "smollm2-135m-instruct"  # the embedded model, as rows of its real weights name it
 PLUGIN_GROUP = "sglang.srt.plugins"
 PLUGIN_TARGET = "sglang_ext.plugin:register"
 
@@ -169,11 +170,17 @@ def trace_parser(
     return parser
 
 
+def model_label(args: argparse.Namespace) -> str:
+    """What a row's ``model_shape`` names: the shape, or the embedded model where a benchmark
+    serves its real weights (``--real-weights``)."""
+    return REAL_MODEL if getattr(args, "real_weights", False) else args.shape
+
+
 def run_label(args: argparse.Namespace) -> str:
-    """The shape, and the tensor- and data-parallel sizes where over 1 (``--dp`` where the
-    benchmark has it): names a run's result files."""
+    """The model (``model_label``), and the tensor- and data-parallel sizes where over 1 (``--dp``
+    where the benchmark has it): names a run's result files."""
     sizes = (("tp", args.tp), ("dp", getattr(args, "dp", 1)))
-    return args.shape + "".join(f"-{name}{size}" for name, size in sizes if size > 1)
+    return model_label(args) + "".join(f"-{name}{size}" for name, size in sizes if size > 1)
 
 
 def int_list(text: str) -> list[int]:
@@ -217,6 +224,20 @@ def policy_variant(text: str, policies=("delta", "tidal", "lethe")) -> tuple[str
 def variant_list(text: str, policies=("delta", "tidal", "lethe")) -> list[tuple[str, dict]]:
     """``--variants``: policy variants separated by ';' (``policy_variant`` each)."""
     return [policy_variant(part, policies) for part in text.split(";") if part]
+
+
+def art_tiles(url: str) -> tuple[float, float]:
+    """(tiles read, tiles in the traversals) so far on the server at ``url``, from the extension's
+    Prometheus metrics (``--enable-metrics``); they lag the kernel by a step or so (copied back
+    without waiting)."""
+    import requests
+
+    text = requests.get(f"{url}/metrics", timeout=30).text
+    values = {}
+    for name in ("art_tiles_read_total", "art_tiles_total"):
+        found = re.search(rf"^sglang_ext:{name}{{[^}}]*}} (\S+)$", text, re.M)
+        values[name] = float(found[1]) if found else 0.0
+    return values["art_tiles_read_total"], values["art_tiles_total"]
 
 
 def split_policy(name: str) -> tuple[str, str | None]:

@@ -15,7 +15,8 @@ A budget B maps to delta ``{"budget_pages": B/16, "recent_pages": B/128}`` and t
 ``{"budget_tokens": B}``; layer lists are the policies' defaults. ART (``art``, ``delta+art``,
 ``tidal+art``, ART at its defaults) changes only how much of its base's selection is read, so its
 runs are also compared with their base's run (``full``, ``delta-B``, ``tidal-B``): the ``*_vs_base``
-rows.
+rows; and their servers count ART's tiles (``/metrics``): per lookup length, the share of its
+traversals' tiles ART read over the lookups (``lookup_art_tiles_read_frac``).
 """
 
 from __future__ import annotations
@@ -37,11 +38,11 @@ from benchmarks.harness import EngineServer, Row, RunInfo
 from sglang_ext.policies import policy_class
 
 BENCH = "quality"
-SHAPE = "smollm2-135m-instruct"  # the embedded model, real weights
+SHAPE = harness.REAL_MODEL
 FULL = "full"
 ART_SUFFIX = "+art"
 BASES = (FULL, "delta", "tidal")
-VARIED = ("delta", "tidal", "art")  # the policies --variants may change
+VARIED = ("delta", "tidal", "art", "delta+art", "tidal+art")  # what --variants may change
 DEFAULT_SEEDS_DIR = harness.BENCH_DIR.parents[1] / "shared" / "seeds"
 # Fallback passages where the seeds are absent: large, prose-heavy stdlib modules.
 STDLIB_SOURCES = ["argparse.py", "inspect.py", "typing.py"]
@@ -78,12 +79,17 @@ class PolicyRun:
         return FULL if self.policy == "art" else self.policy.removesuffix(ART_SUFFIX)
 
     @property
+    def reads_tiles(self) -> bool:
+        return self.base != self.policy
+
+    @property
     def base_label(self) -> str | None:
         """The run this one is compared with besides full attention: its base's, when ART is on
-        (an ``art`` variant's parameters are ART's: its base is full attention)."""
-        if self.base == self.policy:
+        (an ``art`` variant's parameters are ART's: its base is full attention; a ``BASE+art``
+        variant's are its base's, and ART's under the key "art")."""
+        if not self.reads_tiles:
             return None
-        params = () if self.policy == "art" else self.params
+        params = () if self.policy == "art" else tuple(p for p in self.params if p[0] != "art")
         return dataclasses.replace(self, policy=self.base, params=params).label
 
     @property
@@ -125,7 +131,12 @@ def policy_runs(
     for name, params in variants:  # art has no budget: one run of each
         runs_budgets = [None] if name == "art" else budgets
         sparse += [PolicyRun(name, b, params=tuple(params.items())) for b in runs_budgets]
-    return [PolicyRun(FULL, None), *sparse]
+    runs = [PolicyRun(FULL, None), *sparse]
+    labels = {run.label for run in runs}
+    if unmatched := sorted({run.base_label for run in runs} - labels - {None}):
+        raise SystemExit(f"--variants: ART runs are compared with their base; run {unmatched} "
+                         "too (--policies, or a --variants entry of the base)")  # fmt: skip
+    return runs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,7 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants", type=lambda text: harness.variant_list(text, VARIED),
         default=[],
         help="also run delta or tidal with parameters changed, per budget, or art once: "
-        "'delta:full_layers=[0],delta_layers=[1,4,14,22];tidal:sink_tokens=0;art:patience=2'",
+        "'delta:full_layers=[0],delta_layers=[1,4,14,22];tidal:sink_tokens=0;art:patience=2'; "
+        "ART over a selection, per budget (its base's run needed): "
+        "'tidal+art:art={\"tau\":1e-3,\"patience\":2}'",
     )  # fmt: skip
     parser.add_argument("--dtype", default="float32", help="engine dtype (default: float32)")
     parser.add_argument(
@@ -202,9 +215,10 @@ def greedy_prompts(tokenizer, sources: list[list[int]], lengths: list[int]) -> l
 
 def server_argv(run: PolicyRun, args: argparse.Namespace, port: int) -> list[str]:
     config = ["--policy-config", json.dumps(run.config)] if run.config else []
+    metrics = ["--enable-metrics"] if run.reads_tiles else []  # ART's tile counts
     return [
         sys.executable, "-m", "sglang_ext.launch", "--policy", run.policy, *config,
-        "--port", str(port), "--dtype", args.dtype,
+        "--port", str(port), "--dtype", args.dtype, *metrics,
         # Every request is prefilled whole, independent of what an earlier one left cached.
         "--disable-radix-cache", *shlex.split(args.server_args),
     ]  # fmt: skip
@@ -235,10 +249,16 @@ def serve_and_generate(run, args, prompts, cases, log_dir: Path) -> dict:
         for ids in prompts:
             greedy.append(generate(server.url, ids, args.greedy_tokens)["output_ids"])
             print(f"{BENCH}: {run.label}: greedy prompt of {len(ids)} tokens done", flush=True)
-        answers = [generate(server.url, c.prompt_ids, args.lookup_tokens)["text"] for c in cases]
+        answers, tiles = [], []
+        for case in cases:
+            before = harness.art_tiles(server.url) if run.reads_tiles else (0.0, 0.0)
+            answers.append(generate(server.url, case.prompt_ids, args.lookup_tokens)["text"])
+            after = harness.art_tiles(server.url) if run.reads_tiles else (0.0, 0.0)
+            tiles.append([after[0] - before[0], after[1] - before[1]])
     passed = sum(lookup_task.is_correct(c, a) for c, a in zip(cases, answers))
     print(f"{BENCH}: {run.label}: lookup {passed}/{len(cases)} correct", flush=True)
-    return {"params": ast.literal_eval(described[1]), "greedy": greedy, "answers": answers}
+    return {"params": ast.literal_eval(described[1]), "greedy": greedy, "answers": answers,
+            "lookup_tiles": tiles}  # fmt: skip
 
 
 def identical_prefix(ours: list[int], reference: list[int]) -> int:
@@ -276,6 +296,11 @@ def quality_rows(info, runs, outputs, prompts, cases) -> list[Row]:
             judged = [i for i in at if full_passed[i]]
             rows.append(info.row(**point, context=length, metric="lookup_accuracy_all",
                                  value=sum(correct[i] for i in at) / len(at)))  # fmt: skip
+            if run.reads_tiles:  # what ART read of its traversals over these lookups
+                read, available = (sum(out["lookup_tiles"][i][k] for i in at) for k in (0, 1))
+                rows.append(info.row(**point, context=length, metric="lookup_art_tiles_read_frac",
+                                     value=read / available if available else None,
+                                     skipped=None if available else "no tile counted"))  # fmt: skip
             if run.policy != FULL:
                 rows.append(info.row(
                     **point, context=length, metric="lookup_accuracy_full_passed",

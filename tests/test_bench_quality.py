@@ -44,3 +44,18 @@ def test_an_art_variant_runs_once_with_its_parameters_against_full_attention():
     (art,) = [run for run in runs if run.policy == "art"]
     assert art.budget is None and art.label == "art[tau=0.001,patience=2]"
     assert art.config == {"tau": 1e-3, "patience": 2} and art.base_label == "full"
+
+
+def test_art_over_a_selection_varies_art_alone_and_is_compared_with_its_base():
+    variants = [harness.policy_variant('tidal+art:art={"tau":1e-3,"patience":2}', VARIED)]
+    runs = policy_runs(["full", "tidal"], [1024], variants=variants)
+    (composed,) = [run for run in runs if run.policy == "tidal+art"]
+    assert composed.base_label == "tidal-1024" and composed.reads_tiles
+    assert composed.config == {"budget_tokens": 1024, "correction_interval": 0,
+                               "art": {"tau": 1e-3, "patience": 2}}  # fmt: skip
+
+
+def test_art_over_a_selection_without_its_base_run_is_refused():
+    variants = [harness.policy_variant('delta+art:art={"patience":1}', VARIED)]
+    with pytest.raises(SystemExit, match=r"--variants.*delta-1024"):
+        policy_runs(["full", "tidal"], [1024], variants=variants)

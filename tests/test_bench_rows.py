@@ -60,12 +60,34 @@ def test_the_decode_step_line_is_fit_at_the_full_batch_without_the_prefill_inter
     log = "\n".join([line(4, 1024, 90.0), *full, line(3, 6144, 1.0), "Prefill batch ..."])
     fixed, slope = e2e.decode_step_curve(log)
     assert fixed == pytest.approx(2.0, abs=1e-3) and slope == pytest.approx(0.5, abs=1e-3)
+    # TPOT: the median of the full batch's steps (3.0, 3.5, 4.0, 4.5 ms), the prefill's left out
+    assert e2e.decode_step_ms(log) == pytest.approx(3.75, abs=1e-3)
+    assert e2e.decode_step_ms("Prefill batch ...") is None
     assert e2e.decode_step_curve("\n".join(full[:3])) is None  # two lines after the first
 
-    run = e2e.PolicyRun("delta", "H100", "0.5.17", "T", 1.0, 0, [], [], step_curve=(fixed, slope))
+    run = e2e.PolicyRun("delta", "H100", "0.5.17", "T", 1.0, 0, [], [], step_curve=(fixed, slope),
+                        step_ms=3.75)  # fmt: skip
     args = e2e.build_parser().parse_args(["--shape", "qwen1.5b"])
     metrics = {row.metric: row.value for row in run.rows(args)}
     assert metrics["decode_step_fixed_ms"] == fixed and metrics["decode_step_slope_ms"] == slope
+    assert metrics["decode_step_ms"] == 3.75
+
+
+def test_real_weights_serve_smollm2_on_distinct_natural_prompts_of_the_exact_length(model_path):
+    args = e2e.build_parser().parse_args(
+        ["--shape", "smol", "--real-weights", "--requests", "7", "--input-len", "600"]
+    )
+    argv = e2e.server_argv(args, "art", 30000)
+    assert "--load-format" not in argv and argv[argv.index("--model-path") + 1] == str(model_path)
+    prompts = e2e.real_prompts(args)
+    assert [len(ids) for ids in prompts] == [600] * 7
+    assert len({tuple(ids[:64]) for ids in prompts}) == 7  # each starts its own passage window
+
+
+def test_real_weights_need_the_embedded_models_shape(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        e2e.main(["--shape", "qwen1.5b", "--real-weights"])
+    assert exit_info.value.code == 2 and "--real-weights" in capsys.readouterr().err
 
 
 def test_partial_runs_are_saved_under_plain_file_names_and_found_again(tmp_path):

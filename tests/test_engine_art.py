@@ -10,6 +10,7 @@ import requests
 import transformers
 
 from benchmarks import lookup_task
+from benchmarks.harness import art_tiles
 from server import policy_servers
 
 pytestmark = pytest.mark.engine
@@ -79,11 +80,11 @@ def test_a_request_may_set_its_own_thresholds_or_read_everything(servers):
     for opt_out in ({"name": "full"}, {"patience": 0}):
         assert _greedy_ids(art, PROMPTS[1], opt_out) == _greedy_ids(servers["full"], PROMPTS[1])
     long_prompt = " ".join(f"Note {i}: the weather was mild and the market was calm." for i in range(60))
-    before = _tiles(art)
+    before = art_tiles(art.url)
     _greedy_ids(art, long_prompt, {"name": "full"})
-    read_all = _tiles(art)
+    read_all = art_tiles(art.url)
     _greedy_ids(art, long_prompt, LOOSE)
-    loose = _tiles(art)
+    loose = art_tiles(art.url)
     assert read_all[0] - before[0] == read_all[1] - before[1] > 0  # every tile read
     assert loose[0] - read_all[0] < loose[1] - read_all[1]  # some skipped
 
@@ -95,17 +96,6 @@ def _healthy(server, checks: int = 3) -> bool:
     return any(
         requests.get(f"{server.url}/health", timeout=30).status_code == 200 for _ in range(checks)
     )
-
-
-def _tiles(server) -> tuple[float, float]:
-    """(tiles read, tiles in the traversals) so far, from the extension's Prometheus metrics;
-    they lag the kernel by a step or so (copied back without waiting)."""
-    text = requests.get(f"{server.url}/metrics", timeout=30).text
-    values = {}
-    for name in ("art_tiles_read_total", "art_tiles_total"):
-        found = re.search(rf"^sglang_ext:{name}{{[^}}]*}} (\S+)$", text, re.M)
-        values[name] = float(found[1]) if found else 0.0
-    return values["art_tiles_read_total"], values["art_tiles_total"]
 
 
 def test_no_kv_leak_after_the_requests(servers):
