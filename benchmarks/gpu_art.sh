@@ -45,7 +45,8 @@ case "${1:?tests, kernels, decode or quality}" in
     seeds=${SEEDS_DIR:-.gpu/seeds}
     "$python" -m benchmarks.e2e --shape smol --real-weights ${seeds:+--seeds-dir "$seeds"} \
       --requests ${REQUESTS:-64} --input-len ${INPUT_LEN:-7424} --output-len ${OUTPUT_LEN:-512} \
-      --context-length 8192 --policies ${POLICIES:-vanilla@fa3,delta,art,delta+art} \
+      --context-length 8192 --cuda-graph-max-bs ${REQUESTS:-64} \
+      --policies ${POLICIES:-vanilla@fa3,delta,art,delta+art} \
       ${CONFIG:+--policy-config "$CONFIG"} --partial-dir "${PARTIAL:-$out/tpot}" \
       --log-dir "$logs" "${common[@]}" ;;
 esac
