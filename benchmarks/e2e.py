@@ -146,6 +146,7 @@ def server_argv(args: argparse.Namespace, policy: str, port: int) -> list[str]:
 # the last bits of the logits) depend on which requests happen to share a step, even for vanilla.
 GREEDY_CHECK_REQUESTS = 8
 GREEDY_CHECK_TOKENS = 64
+WARMUP_REQUESTS = 4  # sent at once before the clock starts: a prefill of several requests
 
 
 def generate(url: str, input_ids: list[int], output_len: int, kv_policy: str | None = None):
@@ -234,10 +235,13 @@ def measure(
 ) -> tuple[float, KvSampler]:
     """Output tokens/s over all requests sent at once (request i under ``kv_policies[i % n]``),
     and the sampler of KV and running requests meanwhile."""
-    # A full-length prompt compiles what the measured prefill runs (FlashInfer JIT-builds kernels
-    # on first use: 10 s inside the clock at --tp 2 on 2026-11-26); reversed, so the radix
-    # cache holds no measured prompt's prefix.
-    generate(url, prompts[0][::-1], 4)
+    # Full-length prompts, several at once, compile what the measured prefill runs (FlashInfer
+    # JIT-builds kernels on first use: 10 s inside the clock at --tp 2 on 2026-11-26, and 9 s at
+    # its first prefill of two requests after a one-request warm-up on 2026-11-28); reversed, so
+    # the radix cache holds no measured prompt's prefix.
+    warmup = [ids[::-1] for ids in prompts[:WARMUP_REQUESTS]]
+    with ThreadPoolExecutor(len(warmup)) as pool:
+        list(pool.map(lambda ids: generate(url, ids, 4), warmup))
     with KvSampler(url, interval_s) as sampler, ThreadPoolExecutor(len(prompts)) as pool:
         start = time.perf_counter()
         chosen = [kv_policies[i % len(kv_policies)] for i in range(len(prompts))]

@@ -2,6 +2,7 @@
 which vanilla run a policy's greedy tokens are compared with, and a decode step's bandwidth floor."""
 
 import re
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -376,3 +377,34 @@ def test_decode_step_rounds_must_be_positive():
         decode_step.build_parser().parse_args(["--shape", "qwen1.5b", "--rounds", "0"])
     with pytest.raises(SystemExit):  # the benchmarks that run each policy once do not take it
         decode_profile.build_parser().parse_args(["--shape", "qwen1.5b", "--rounds", "2"])
+
+
+def test_e2e_warms_up_with_several_reversed_prompts_at_once_before_the_clock(monkeypatch):
+    prompts = [[i, i + 1, i + 2] for i in range(0, 30, 3)]
+    together = threading.Barrier(e2e.WARMUP_REQUESTS, timeout=10)  # broken if sent one by one
+    sent = []
+
+    def generate(url, ids, output_len, kv_policy=None):
+        if output_len == 4:
+            together.wait()
+        sent.append((ids, output_len))
+        return [0] * output_len
+
+    class NoSampler:
+        samples = []
+
+        def __init__(self, *args):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    monkeypatch.setattr(e2e, "generate", generate)
+    monkeypatch.setattr(e2e, "KvSampler", NoSampler)
+    e2e.measure("http://x", prompts, 8, 0.05)
+    warmup, measured = sent[: e2e.WARMUP_REQUESTS], sent[e2e.WARMUP_REQUESTS :]
+    assert sorted(ids for ids, _ in warmup) == sorted(p[::-1] for p in prompts[:4])
+    assert {n for _, n in warmup} == {4} and sorted(ids for ids, _ in measured) == prompts
