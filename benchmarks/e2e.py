@@ -294,8 +294,8 @@ def _match_rows(
     """A row per run with a reference: ``measure`` of its greedy outputs against it."""
     return [
         info.row(
-            bench=BENCH, policy=run.policy, model_shape=harness.model_label(args), batch=1, context=args.input_len,
-            metric=f"greedy_{GREEDY_CHECK_TOKENS}_tokens_{what}",
+            bench=BENCH, policy=run.policy, model_shape=harness.model_label(args), batch=1,
+            context=args.input_len, metric=f"greedy_{GREEDY_CHECK_TOKENS}_tokens_{what}",
             value=measure(run.greedy, reference),
             attention_backend=run.attention_backend, kv_source="real",
         )
@@ -352,8 +352,8 @@ class PolicyRun:
             metrics["decode_step_ms"] = self.step_ms
         return [
             Row(
-                bench=BENCH, policy=self.policy, model_shape=harness.model_label(args), batch=args.requests,
-                context=args.input_len, metric=name, value=value, device=self.device,
+                bench=BENCH, policy=self.policy, model_shape=harness.model_label(args),
+                batch=args.requests, context=args.input_len, metric=name, value=value, device=self.device,
                 sglang_version=self.sglang_version, date=self.date,
                 attention_backend=self.attention_backend, kv_source="real", budget=self.budget,
             )
