@@ -90,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(SGLang's default, 15, hides short runs; 1 costs every policy's steps a little)",
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="of the random input ids (same for every policy)"
-    )
+        "--seed", type=int, default=0,
+        help="of the random input ids, or of the passages' offsets (same for every policy)",
+    )  # fmt: skip
     parser.add_argument(
         "--real-weights", action="store_true",
         help="the embedded model's real weights on natural-text prompts (--shape smol)",
