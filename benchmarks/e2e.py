@@ -21,13 +21,13 @@ request running from the first step has generated one token per step.
 A decode step's time against its context, from the server's own decode log lines (SGLang's gen
 throughput every 40 steps) while the whole batch runs: ``decode_step_fixed_ms`` (at context 0) and
 ``decode_step_slope_ms`` (per 1,024 tokens of each request's context), a least-squares line: where
-an end-to-end ratio comes from (a policy's fixed cost per step against its growth with context).
+an end-to-end ratio comes from (a policy's fixed cost per step against its growth with context);
+and ``decode_step_ms``, the median of those lines' step times (TPOT at the full batch).
 
 ``--real-weights`` serves the embedded model (SmolLM2-135M-Instruct, ``--shape smol``) with its real
 weights instead, each request a different window of natural text (the quality benchmark's
 passages) in the model's chat template: where what a policy reads depends on real attention (ART
-stops on it). Its rows add ``decode_step_ms``: the median step time (TPOT) of the server's decode
-log lines at the full batch.
+stops on it).
 
 A run too long for one sitting can be split by policy: with --partial-dir, each policy's
 measurement is saved there, and every call reports all policies found there (the same --shape,
