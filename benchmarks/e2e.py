@@ -354,8 +354,8 @@ class PolicyRun:
         return [
             Row(
                 bench=BENCH, policy=self.policy, model_shape=harness.model_label(args),
-                batch=args.requests, context=args.input_len, metric=name, value=value, device=self.device,
-                sglang_version=self.sglang_version, date=self.date,
+                batch=args.requests, context=args.input_len, metric=name, value=value,
+                device=self.device, sglang_version=self.sglang_version, date=self.date,
                 attention_backend=self.attention_backend, kv_source="real", budget=self.budget,
             )
             for name, value in metrics.items()
@@ -376,8 +376,9 @@ def measure_policy(args, policy: str, prompts: list[list[int]], info: RunInfo) -
             server.url, prompts, args.output_len, args.sample_interval,
             harness.request_policies(policy),
         )  # fmt: skip
-        retracted = sum(int(n) for n in RETRACTED_LOG.findall(server.log()))
-        step_curve, step_ms = decode_step_curve(server.log()), decode_step_ms(server.log())
+        log = server.log()
+        retracted = sum(int(n) for n in RETRACTED_LOG.findall(log))
+        step_curve, step_ms = decode_step_curve(log), decode_step_ms(log)
         greedy = [
             generate(server.url, ids, GREEDY_CHECK_TOKENS)
             for ids in prompts[:GREEDY_CHECK_REQUESTS]
