@@ -23,6 +23,12 @@ throughput every 40 steps) while the whole batch runs: ``decode_step_fixed_ms`` 
 ``decode_step_slope_ms`` (per 1,024 tokens of each request's context), a least-squares line: where
 an end-to-end ratio comes from (a policy's fixed cost per step against its growth with context);
 and ``decode_step_ms``, the median of those lines' step times (TPOT at the full batch).
+``decode_step_ideal_ms`` is the step a run would take at the fastest vanilla's cost: that
+vanilla's line at the run's mean tokens attended per layer and step (vanilla's whole context; a
+policy's as its server reports them, before ART's early stop). Its ratio (to vanilla's) is the
+least fraction of vanilla's step a policy could take if it paid only vanilla's fixed cost and
+vanilla's cost per token read, its inverse the step speed-up within reach: where a goal sits
+against what the device allows. Both runs must have decoded all --requests at once.
 
 ``--real-weights`` serves the embedded model (SmolLM2-135M-Instruct, ``--shape smol``) with its real
 weights instead, each request a different window of natural text (the quality benchmark's
@@ -33,8 +39,8 @@ A run too long for one sitting can be split by policy: with --partial-dir, each 
 measurement is saved there, and every call reports all policies found there (the same --shape,
 --requests, --input-len and --output-len), vanilla's as the baseline. Without it each policy's
 measurement is still saved as it completes, under a directory of this call's own in --out-dir
-(printed; git ignores it), so that a call cut short by a time limit keeps the policies it finished: report them
-with --report-only --partial-dir DIR.
+(printed; git ignores it), so that a call cut short by a time limit keeps the policies it
+finished: report them with --report-only --partial-dir DIR.
 """
 
 from __future__ import annotations
@@ -150,16 +156,26 @@ GREEDY_CHECK_TOKENS = 64
 WARMUP_REQUESTS = 4  # sent at once before the clock starts: a prefill of several requests
 
 
-def generate(url: str, input_ids: list[int], output_len: int, kv_policy: str | None = None):
-    """Sends one request (under the server's policy ``kv_policy`` when given); returns the tokens
-    it generated."""
+@dataclasses.dataclass(frozen=True)
+class Generated:
+    output_ids: list[int]
+    attended: list[float]  # per decode step, tokens attended (mean over layers); vanilla: none
+
+
+def generate(
+    url: str, input_ids: list[int], output_len: int, kv_policy: str | None = None
+) -> Generated:
+    """Sends one request (under the server's policy ``kv_policy`` when given): the tokens it
+    generated and what the policy attended at each step (``server.report``)."""
     sampling = {"max_new_tokens": output_len, "ignore_eos": True, "temperature": 0}
     if kv_policy is not None:
         sampling["custom_params"] = {"kv_policy": {"name": kv_policy}}
     body = {"input_ids": input_ids, "sampling_params": sampling}
     response = requests.post(f"{url}/generate", json=body, timeout=3600)
     response.raise_for_status()
-    return response.json()["output_ids"]
+    out = response.json()
+    attended = out["meta_info"].get("kv_attended_tokens") or []
+    return Generated(out["output_ids"], [a for a in attended if a is not None])
 
 
 @dataclasses.dataclass
@@ -233,9 +249,10 @@ def kv_per_request(samples: list[KvSample]) -> tuple[float, float]:
 def measure(
     url: str, prompts: list[list[int]], output_len: int, interval_s: float,
     kv_policies: list[str | None] = (None,),
-) -> tuple[float, KvSampler]:
+) -> tuple[float, KvSampler, float | None]:
     """Output tokens/s over all requests sent at once (request i under ``kv_policies[i % n]``),
-    and the sampler of KV and running requests meanwhile."""
+    the sampler of KV and running requests meanwhile, and the tokens attended per layer at a
+    decode step, the mean over every request's steps (None where the server reports none)."""
     # Full-length prompts, several at once, compile what the measured prefill runs (FlashInfer
     # JIT-builds kernels on first use: 10 s inside the clock at --tp 2 on 2026-11-26, and 9 s at
     # its first prefill of two requests after a one-request warm-up on 2026-11-28); reversed, so
@@ -246,10 +263,11 @@ def measure(
     with KvSampler(url, interval_s) as sampler, ThreadPoolExecutor(len(prompts)) as pool:
         start = time.perf_counter()
         chosen = [kv_policies[i % len(kv_policies)] for i in range(len(prompts))]
-        outs = pool.map(lambda ids, kv: generate(url, ids, output_len, kv), prompts, chosen)
-        tokens = sum(len(out) for out in outs)
+        outs = list(pool.map(lambda ids, kv: generate(url, ids, output_len, kv), prompts, chosen))
         elapsed = time.perf_counter() - start
-    return tokens / elapsed, sampler
+    tokens = sum(len(out.output_ids) for out in outs)
+    attended = [a for out in outs for a in out.attended]
+    return tokens / elapsed, sampler, statistics.fmean(attended) if attended else None
 
 
 def greedy_match_rows(info: RunInfo, args, runs: list[PolicyRun]) -> list[Row]:
@@ -321,6 +339,8 @@ class PolicyRun:
     budget: str = ""  # the policy's KV budget (KVPolicy.budget)
     step_curve: tuple[float, float] | None = None  # decode_step_curve of its server's log
     step_ms: float | None = None  # decode_step_ms of its server's log (TPOT at the full batch)
+    full_batch: int | None = None  # the most requests its server's log shows decoding at once
+    mean_attended: float | None = None  # measure's tokens attended per layer and step
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(dataclasses.asdict(self)) + "\n")
@@ -351,15 +371,32 @@ class PolicyRun:
             metrics |= {"decode_step_fixed_ms": fixed, "decode_step_slope_ms": slope}
         if self.step_ms is not None:
             metrics["decode_step_ms"] = self.step_ms
-        return [
-            Row(
-                bench=BENCH, policy=self.policy, model_shape=harness.model_label(args),
-                batch=args.requests, context=args.input_len, metric=name, value=value,
-                device=self.device, sglang_version=self.sglang_version, date=self.date,
-                attention_backend=self.attention_backend, kv_source="real", budget=self.budget,
-            )
-            for name, value in metrics.items()
-        ]  # fmt: skip
+        return [self.row(args, name, value) for name, value in metrics.items()]
+
+    def row(self, args, metric: str, value: float) -> Row:
+        return Row(
+            bench=BENCH, policy=self.policy, model_shape=harness.model_label(args),
+            batch=args.requests, context=args.input_len, metric=metric, value=value,
+            device=self.device, sglang_version=self.sglang_version, date=self.date,
+            attention_backend=self.attention_backend, kv_source="real", budget=self.budget,
+        )  # fmt: skip
+
+
+def ideal_step_rows(args, runs: list[PolicyRun]) -> list[Row]:
+    """``decode_step_ideal_ms`` of every run that decoded all --requests at once, on the line of
+    the fastest such vanilla run: the step at vanilla's cost per step and per token read."""
+    whole = [run for run in runs if run.full_batch == args.requests]
+    lines = [run for run in whole if harness.is_vanilla(run.policy) and run.step_curve]
+    if not lines:
+        return []
+    fixed, slope = max(lines, key=lambda run: run.output_tok_s).step_curve
+    vanilla_attended = args.input_len + (args.output_len - 1) / 2  # every token, its context
+    rows = []
+    for run in whole:
+        attended = vanilla_attended if harness.is_vanilla(run.policy) else run.mean_attended
+        if attended is not None:
+            rows.append(run.row(args, "decode_step_ideal_ms", fixed + slope * attended / 1024))
+    return rows
 
 
 def measure_policy(args, policy: str, prompts: list[list[int]], info: RunInfo) -> PolicyRun:
@@ -372,7 +409,7 @@ def measure_policy(args, policy: str, prompts: list[list[int]], info: RunInfo) -
         server.wait_ready()
         if not harness.is_vanilla(policy) and not POLICY_ACTIVE_LOG in server.log():
             raise RuntimeError(f"{policy}: the server did not load the policy; log {log_path}")
-        tok_s, sampler = measure(
+        tok_s, sampler, attended = measure(
             server.url, prompts, args.output_len, args.sample_interval,
             harness.request_policies(policy),
         )  # fmt: skip
@@ -380,7 +417,7 @@ def measure_policy(args, policy: str, prompts: list[list[int]], info: RunInfo) -
         retracted = sum(int(n) for n in RETRACTED_LOG.findall(log))
         step_curve, step_ms = decode_step_curve(log), decode_step_ms(log)
         greedy = [
-            generate(server.url, ids, GREEDY_CHECK_TOKENS)
+            generate(server.url, ids, GREEDY_CHECK_TOKENS).output_ids
             for ids in prompts[:GREEDY_CHECK_REQUESTS]
         ]
     print(f"{BENCH}: {policy}: {tok_s:.1f} output tok/s, {retracted} retracted", flush=True)
@@ -389,7 +426,7 @@ def measure_policy(args, policy: str, prompts: list[list[int]], info: RunInfo) -
         output_tok_s=tok_s, retracted=retracted, samples=sampler.samples, greedy=greedy,
         attention_backend=flag_value(argv, "--attention-backend", ""),
         budget=harness.policy_budget(policy, args.policy_config), step_curve=step_curve,
-        step_ms=step_ms,
+        step_ms=step_ms, full_batch=largest_batch(log), mean_attended=attended,
     )  # fmt: skip
 
 
@@ -398,8 +435,13 @@ def full_batch_steps(log: str) -> list[tuple[float, float]]:
     largest batch, a line's step time being requests / gen throughput; the first such line is
     left out (its interval holds the prefill)."""
     lines = [(int(r), int(t), float(g)) for r, t, g in DECODE_LOG.findall(log)]
-    batch = max((r for r, _, _ in lines), default=0)
+    batch = largest_batch(log)
     return [(t / r / 1024, 1e3 * r / g) for r, t, g in lines if r == batch and g > 0][1:]
+
+
+def largest_batch(log: str) -> int:
+    """The most requests the server's decode log lines show running at once (0: none)."""
+    return max((int(r) for r, _, _ in DECODE_LOG.findall(log)), default=0)
 
 
 def decode_step_ms(log: str) -> float | None:
@@ -506,6 +548,7 @@ def real_prompts(args) -> list[list[int]]:
 def report(args, runs: list[PolicyRun], info: RunInfo) -> None:
     rows = [row for run in runs for row in run.rows(args)]
     rows += greedy_match_rows(info, args, runs) + single_gpu_match_rows(info, args, runs)
+    rows += ideal_step_rows(args, runs)
     harness.add_baseline_ratios(rows)
     json_path = harness.save_results(
         BENCH, harness.run_label(args), rows, info, args.out_dir, args.results_md

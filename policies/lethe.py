@@ -125,7 +125,11 @@ class Lethe(KVPolicy):
         return LetheRuntime(self, ctx)
 
     def budget(self) -> str:
-        return f"max_kv_ratio {self.max_kv_ratio}, evict_threshold {self.evict_threshold}"
+        caps = f"max_kv_ratio {self.max_kv_ratio}, evict_threshold {self.evict_threshold}"
+        if not self.per_layer_lists():
+            return caps
+        memory = "per-layer memory" if self.pack_layers else "freed by the union"
+        return f"{caps}, sparse_ratio {self.sparse_ratio} ({memory})"
 
     def server_defaults(self) -> dict[str, str]:
         # The state is per request slot x context position; SGLang's default request pool

@@ -15,6 +15,10 @@ def test_rows_name_each_policys_budget_from_its_config():
     assert harness.policy_budget("tidal", '{"budget_tokens": 64}') == "64 tokens"
     assert harness.policy_budget("delta+art", None) == "64 pages"  # ART reads within DELTA's
     assert harness.policy_budget("lethe", None) == "max_kv_ratio 0.3, evict_threshold 1024"
+    per_layer = harness.policy_budget("lethe", '{"sparse_ratio": 10.0}')
+    union = harness.policy_budget("lethe", '{"sparse_ratio": 10.0, "pack_layers": false}')
+    assert per_layer.endswith("sparse_ratio 10.0 (per-layer memory)")
+    assert union.endswith("sparse_ratio 10.0 (freed by the union)")
     assert harness.policy_budget("full", None) == ""
     assert harness.policy_budget("vanilla@fa3", None) == ""
 
@@ -388,7 +392,7 @@ def test_e2e_warms_up_with_several_reversed_prompts_at_once_before_the_clock(mon
         if output_len == 4:
             together.wait()
         sent.append((ids, output_len))
-        return [0] * output_len
+        return e2e.Generated([0] * output_len, [float(len(ids))] * output_len)
 
     class NoSampler:
         samples = []
@@ -404,7 +408,55 @@ def test_e2e_warms_up_with_several_reversed_prompts_at_once_before_the_clock(mon
 
     monkeypatch.setattr(e2e, "generate", generate)
     monkeypatch.setattr(e2e, "KvSampler", NoSampler)
-    e2e.measure("http://x", prompts, 8, 0.05)
+    _, _, attended = e2e.measure("http://x", prompts, 8, 0.05)
+    assert attended == 3.0  # the measured requests' steps only, not the warm-up's
     warmup, measured = sent[: e2e.WARMUP_REQUESTS], sent[e2e.WARMUP_REQUESTS :]
     assert sorted(ids for ids, _ in warmup) == sorted(p[::-1] for p in prompts[:4])
     assert {n for _, n in warmup} == {4} and sorted(ids for ids, _ in measured) == prompts
+
+
+def test_generate_reads_what_the_policy_attended_at_each_step(monkeypatch):
+    class Response:
+        def __init__(self, meta_info):
+            self.meta_info = meta_info
+
+        def raise_for_status(self):
+            pass
+
+        def json(self):
+            return {"output_ids": [5, 6, 7], "meta_info": self.meta_info}
+
+    served = {"kv_attended_tokens": [None, 1024.0, 1040.5]}  # the prefill's entry has none
+    monkeypatch.setattr(e2e.requests, "post", lambda *a, **k: Response(served))
+    out = e2e.generate("http://x", [1, 2], 3, "delta")
+    assert out == e2e.Generated([5, 6, 7], [1024.0, 1040.5])
+    monkeypatch.setattr(e2e.requests, "post", lambda *a, **k: Response({}))  # vanilla SGLang
+    assert e2e.generate("http://x", [1, 2], 3).attended == []
+
+
+def test_the_ideal_step_is_each_run_on_the_fastest_vanillas_line_at_what_it_attends():
+    argv = ["--shape", "qwen1.5b", "--requests", "4", "--input-len", "1024", "--output-len", "2049"]
+    args = e2e.build_parser().parse_args(argv)
+
+    def run(policy, tok_s, curve=None, full_batch=4, attended=None):
+        return e2e.PolicyRun(policy, "H100", "0.5.17", "T", tok_s, 0, [], [], "fa3",
+                             step_curve=curve, full_batch=full_batch, mean_attended=attended)  # fmt: skip
+
+    runs = [
+        run("vanilla@fa3", 100.0, (2.0, 0.5)),
+        run("vanilla@triton", 50.0, (4.0, 1.0)),  # slower: not the line
+        run("delta", 180.0, (2.5, 0.1), attended=512.0),
+        run("tidal", 170.0, (2.5, 0.1), attended=None),  # no reports: no row
+        run("lethe", 150.0, (2.0, 0.2), full_batch=3, attended=256.0),  # not all at once
+    ]
+    rows = e2e.ideal_step_rows(args, runs)
+    harness.add_baseline_ratios(rows)
+    ideal = {row.policy: row for row in rows}
+    assert set(ideal) == {"vanilla@fa3", "vanilla@triton", "delta"}
+    # vanilla attends 1024 + 1024 tokens on average: 2 + 0.5 * 2 = 3 ms; DELTA 2 + 0.5 / 2
+    assert ideal["vanilla@fa3"].value == pytest.approx(3.0)
+    assert ideal["delta"].value == pytest.approx(2.25)
+    assert ideal["delta"].ratio == pytest.approx(2.25 / 3.0)  # 1 / the speed-up it could reach
+    # a vanilla that did not decode the whole batch at once gives no line
+    runs[0].full_batch = runs[1].full_batch = 2
+    assert e2e.ideal_step_rows(args, runs) == []
