@@ -439,8 +439,10 @@ def test_the_ideal_step_is_each_run_on_the_fastest_vanillas_line_at_what_it_atte
     args = e2e.build_parser().parse_args(argv)
 
     def run(policy, tok_s, curve=None, full_batch=4, attended=None):
-        return e2e.PolicyRun(policy, "H100", "0.5.17", "T", tok_s, 0, [], [], "fa3",
-                             step_curve=curve, full_batch=full_batch, mean_attended=attended)  # fmt: skip
+        return e2e.PolicyRun(
+            policy, "H100", "0.5.17", "T", tok_s, 0, [], [], "fa3",
+            step_curve=curve, full_batch=full_batch, mean_attended=attended,
+        )  # fmt: skip
 
     runs = [
         run("vanilla@fa3", 100.0, (2.0, 0.5)),
