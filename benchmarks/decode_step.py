@@ -11,7 +11,11 @@ Each point also gets its bandwidth floor: the bytes a step must read (the weight
 request's attended tokens' K and V, as the policy counts them, at the point's context) over the
 device's measured copy bandwidth; ``decode_step_floor_latency_s`` is that time (its ratio: the
 policy's bytes against vanilla's) and ``decode_step_latency_over_floor`` how far the measured step
-is from it.
+is from it. ``decode_step_ideal_latency_s`` is a policy's step at the fastest vanilla's own costs
+beyond its bytes: vanilla's step less the floor time of the KV the policy does not read. Its
+ratio is the least fraction of vanilla's step within reach (as benchmarks.e2e's
+``decode_step_ideal_ms``); at batch 1 the steps are host-bound, and a policy whose host path is
+shorter than vanilla's can beat it.
 
 Each policy runs in its own process (benchmarks.decode_step_child). A point whose KV does not fit
 in the engine's pool is recorded as skipped, with the reason. ``--rounds N`` runs every policy N
@@ -23,6 +27,7 @@ H100, RESULTS.md 2026-11-27): a point's latency is the median of its rounds', an
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -37,6 +42,7 @@ from sglang_ext.launch import flag_value, positive_int
 BENCH = "decode_step"
 METRICS = ("decode_step_latency_s", "decode_throughput_tok_s")
 FLOOR_METRICS = ("decode_step_floor_latency_s", "decode_step_latency_over_floor")
+IDEAL_METRIC = "decode_step_ideal_latency_s"
 SPREAD_METRIC = "decode_step_rounds_max_over_min"
 
 
@@ -160,6 +166,35 @@ def policy_rows(
     return rows
 
 
+def ideal_rows(rows: list[Row]) -> list[Row]:
+    """``IDEAL_METRIC`` of every run at every point where a vanilla run has a step and a floor:
+    the fastest such vanilla's step - its floor + the run's floor (rows of one run, or of a
+    saved one: the floors must share one copy bandwidth)."""
+    latency, floor = METRICS[0], FLOOR_METRICS[0]
+    points: dict[tuple, dict[str, Row]] = {}
+    for row in rows:
+        if row.metric in (latency, floor) and row.value is not None:
+            points.setdefault((row.policy, row.batch, row.context), {})[row.metric] = row
+    measured = {key: found for key, found in points.items() if len(found) == 2}
+    fastest: dict[tuple, dict[str, Row]] = {}
+    for (policy, *point), found in measured.items():
+        held = fastest.get(tuple(point))
+        if harness.is_vanilla(policy) and (
+            held is None or found[latency].value < held[latency].value
+        ):
+            fastest[tuple(point)] = found
+    ideal = []
+    for (_, *point), found in measured.items():
+        vanilla = fastest.get(tuple(point))
+        if vanilla is not None:
+            value = vanilla[latency].value - vanilla[floor].value + found[floor].value
+            ideal.append(dataclasses.replace(
+                found[latency], metric=IDEAL_METRIC, value=value, baseline_value=None, ratio=None,
+                baseline_backend="",
+            ))  # fmt: skip
+    return ideal
+
+
 def merged_rounds(rounds: list[dict]) -> dict:
     """One policy's result over several server processes: each point's latency the median of
     theirs (``round_latencies`` keeps them all), the copy bandwidth the best they measured."""
@@ -256,6 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[Row] = []
     for policy, result in results.items():
         rows += policy_rows(args, info, policy, result, copy_bandwidth)
+    rows += ideal_rows(rows)
     harness.add_baseline_ratios(rows)
     json_path = harness.save_results(
         BENCH, harness.run_label(args), rows, info, args.out_dir, args.results_md

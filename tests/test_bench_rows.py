@@ -206,6 +206,31 @@ def test_each_measured_decode_step_point_is_judged_against_its_floor():
     assert found[5000, "decode_step_latency_s"].skipped and (5000, "decode_step_floor_latency_s") not in found
 
 
+def test_a_decode_steps_ideal_is_the_fastest_vanillas_step_less_the_kv_a_policy_skips():
+    def rows(policy, batch, latency, floor):
+        return [
+            harness.Row("decode_step", policy, "qwen1.5b", batch, 32768, metric, value)
+            for metric, value in (("decode_step_latency_s", latency),
+                                  ("decode_step_floor_latency_s", floor))
+        ]  # fmt: skip
+
+    measured = [
+        *rows("vanilla@fa3", 32, 12.8, 11.2),  # 1.6 beyond its bytes
+        *rows("vanilla@triton", 32, 14.5, 11.2),  # slower: not the reference
+        *rows("delta", 32, 5.6, 3.2),
+        *rows("delta", 64, 8.0, 5.3),  # no vanilla at this point: no ideal
+        harness.Row("decode_step", "tidal", "qwen1.5b", 32, 32768, "decode_step_latency_s", None),
+    ]
+    ideal = decode_step.ideal_rows(measured)
+    harness.add_baseline_ratios(ideal)
+    found = {(r.policy, r.batch): r for r in ideal}
+    assert set(found) == {("vanilla@fa3", 32), ("vanilla@triton", 32), ("delta", 32)}
+    assert found["vanilla@fa3", 32].value == pytest.approx(12.8)
+    assert found["delta", 32].value == pytest.approx(12.8 - 11.2 + 3.2)
+    assert found["delta", 32].ratio == pytest.approx(4.8 / 12.8)  # within reach: 2.67x
+    assert all(r.metric == decode_step.IDEAL_METRIC for r in ideal)
+
+
 def test_a_decode_step_run_split_over_calls_reports_every_saved_policy_against_vanilla(
     tmp_path, monkeypatch
 ):
