@@ -176,16 +176,16 @@ def ideal_rows(rows: list[Row]) -> list[Row]:
         if row.metric in (latency, floor) and row.value is not None:
             points.setdefault((row.policy, row.batch, row.context), {})[row.metric] = row
     measured = {key: found for key, found in points.items() if len(found) == 2}
-    fastest: dict[tuple, dict[str, Row]] = {}
-    for (policy, *point), found in measured.items():
-        held = fastest.get(tuple(point))
+    fastest: dict[tuple, dict[str, Row]] = {}  # (batch, context) -> a vanilla run's rows
+    for (policy, batch, context), found in measured.items():
+        held = fastest.get((batch, context))
         if harness.is_vanilla(policy) and (
             held is None or found[latency].value < held[latency].value
         ):
-            fastest[tuple(point)] = found
+            fastest[batch, context] = found
     ideal = []
-    for (_, *point), found in measured.items():
-        vanilla = fastest.get(tuple(point))
+    for (_, batch, context), found in measured.items():
+        vanilla = fastest.get((batch, context))
         if vanilla is not None:
             value = vanilla[latency].value - vanilla[floor].value + found[floor].value
             ideal.append(dataclasses.replace(
