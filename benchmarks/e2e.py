@@ -233,6 +233,11 @@ class KvSampler:
             self._stop.wait(self.interval_s)
 
 
+def max_running(samples: list[KvSample]) -> int:
+    """The most requests running at once in a run's samples (0: none)."""
+    return max((s.running for s in samples), default=0)
+
+
 def kv_per_request(samples: list[KvSample]) -> tuple[float, float]:
     """Peak KV tokens per running request (the 99th percentile over samples: a sample taken
     while requests are being prefilled counts their KV but not them) and its steady value: the
@@ -339,7 +344,6 @@ class PolicyRun:
     budget: str = ""  # the policy's KV budget (KVPolicy.budget)
     step_curve: tuple[float, float] | None = None  # decode_step_curve of its server's log
     step_ms: float | None = None  # decode_step_ms of its server's log (TPOT at the full batch)
-    full_batch: int | None = None  # the most requests its server's log shows decoding at once
     mean_attended: float | None = None  # measure's tokens attended per layer and step
 
     def save(self, path: Path) -> None:
@@ -354,7 +358,6 @@ class PolicyRun:
     def rows(self, args) -> list[Row]:
         samples = self.samples
         kv_tokens = [s.kv_tokens for s in samples] or [0]
-        running = [s.running for s in samples] or [0]
         peak_per_request, steady_per_request = kv_per_request(samples)
         metrics = {
             "e2e_output_tok_s": self.output_tok_s,
@@ -362,8 +365,8 @@ class PolicyRun:
             "mean_kv_tokens_in_use": statistics.fmean(kv_tokens),
             "peak_kv_tokens_per_request": peak_per_request,
             "steady_kv_tokens_per_request": steady_per_request,
-            "max_running_requests": float(max(running)),
-            "mean_running_requests": statistics.fmean(running),
+            "max_running_requests": float(max_running(samples)),
+            "mean_running_requests": statistics.fmean([s.running for s in samples] or [0]),
             "retracted_requests": float(self.retracted),
         }
         if self.step_curve is not None:
@@ -385,7 +388,7 @@ class PolicyRun:
 def ideal_step_rows(args, runs: list[PolicyRun]) -> list[Row]:
     """``decode_step_ideal_ms`` of every run that decoded all --requests at once, on the line of
     the fastest such vanilla run: the step at vanilla's cost per step and per token read."""
-    whole = [run for run in runs if run.full_batch == args.requests]
+    whole = [run for run in runs if max_running(run.samples) == args.requests]
     lines = [run for run in whole if harness.is_vanilla(run.policy) and run.step_curve]
     if not lines:
         return []
@@ -426,7 +429,7 @@ def measure_policy(args, policy: str, prompts: list[list[int]], info: RunInfo) -
         output_tok_s=tok_s, retracted=retracted, samples=sampler.samples, greedy=greedy,
         attention_backend=flag_value(argv, "--attention-backend", ""),
         budget=harness.policy_budget(policy, args.policy_config), step_curve=step_curve,
-        step_ms=step_ms, full_batch=largest_batch(log), mean_attended=attended,
+        step_ms=step_ms, mean_attended=attended,
     )  # fmt: skip
 
 
@@ -435,13 +438,8 @@ def full_batch_steps(log: str) -> list[tuple[float, float]]:
     largest batch, a line's step time being requests / gen throughput; the first such line is
     left out (its interval holds the prefill)."""
     lines = [(int(r), int(t), float(g)) for r, t, g in DECODE_LOG.findall(log)]
-    batch = largest_batch(log)
+    batch = max((r for r, _, _ in lines), default=0)
     return [(t / r / 1024, 1e3 * r / g) for r, t, g in lines if r == batch and g > 0][1:]
-
-
-def largest_batch(log: str) -> int:
-    """The most requests the server's decode log lines show running at once (0: none)."""
-    return max((int(r) for r, _, _ in DECODE_LOG.findall(log)), default=0)
 
 
 def decode_step_ms(log: str) -> float | None:

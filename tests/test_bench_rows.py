@@ -464,9 +464,10 @@ def test_the_ideal_step_is_each_run_on_the_fastest_vanillas_line_at_what_it_atte
     args = e2e.build_parser().parse_args(argv)
 
     def run(policy, tok_s, curve=None, full_batch=4, attended=None):
+        samples = [e2e.KvSample(1.0, 0, full_batch, 1, 1)]  # the most requests running at once
         return e2e.PolicyRun(
-            policy, "H100", "0.5.17", "T", tok_s, 0, [], [], "fa3",
-            step_curve=curve, full_batch=full_batch, mean_attended=attended,
+            policy, "H100", "0.5.17", "T", tok_s, 0, samples, [], "fa3",
+            step_curve=curve, mean_attended=attended,
         )  # fmt: skip
 
     runs = [
@@ -485,5 +486,5 @@ def test_the_ideal_step_is_each_run_on_the_fastest_vanillas_line_at_what_it_atte
     assert ideal["delta"].value == pytest.approx(2.25)
     assert ideal["delta"].ratio == pytest.approx(2.25 / 3.0)  # 1 / the speed-up it could reach
     # a vanilla that did not decode the whole batch at once gives no line
-    runs[0].full_batch = runs[1].full_batch = 2
+    runs[0].samples = runs[1].samples = [e2e.KvSample(1.0, 0, 2, 1, 1)]
     assert e2e.ideal_step_rows(args, runs) == []
