@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
             batch, context = map(int, key.split(","))
             point = decode_step.point_fields(args, BENCH, policy, result, batch, context)
             rows += point_rows(point, timing, args.top, info)
-    harness.add_baseline_ratios(rows)
+    harness.add_baseline_ratios(rows, speed_metric="decode_step_latency_ms")
     harness.save_results(BENCH, harness.run_label(args), rows, info, args.out_dir, args.results_md)
 
 

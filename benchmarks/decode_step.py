@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     for policy, result in results.items():
         rows += policy_rows(args, info, policy, result, copy_bandwidth)
     rows += ideal_rows(rows)
-    harness.add_baseline_ratios(rows)
+    harness.add_baseline_ratios(rows, speed_metric=METRICS[0])
     json_path = harness.save_results(
         BENCH, harness.run_label(args), rows, info, args.out_dir, args.results_md
     )

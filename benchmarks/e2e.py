@@ -547,7 +547,7 @@ def report(args, runs: list[PolicyRun], info: RunInfo) -> None:
     rows = [row for run in runs for row in run.rows(args)]
     rows += greedy_match_rows(info, args, runs) + single_gpu_match_rows(info, args, runs)
     rows += ideal_step_rows(args, runs)
-    harness.add_baseline_ratios(rows)
+    harness.add_baseline_ratios(rows, speed_metric="e2e_output_tok_s")
     json_path = harness.save_results(
         BENCH, harness.run_label(args), rows, info, args.out_dir, args.results_md
     )

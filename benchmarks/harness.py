@@ -354,27 +354,42 @@ def copy_bytes_per_s(device: str, nbytes: int = 1 << 30, repeats: int = 9) -> fl
 
 
 
-def add_baseline_ratios(rows: list[Row]) -> None:
-    """Fill baseline_value (vanilla's value at the same point of the same run: of its fastest
-    backend where vanilla ran on several, ``vanilla@BACKEND``), baseline_backend and ratio."""
-    key = lambda r: (r.bench, r.model_shape, r.batch, r.context, r.metric)  # noqa: E731
-    # times and distances from the floor; else a rate
-    lower_is_better = lambda r: (  # noqa: E731
-        "latency" in r.metric or "floor" in r.metric or r.metric.endswith("_ms")
-    )
+def add_baseline_ratios(rows: list[Row], speed_metric: str | None = None) -> None:
+    """Fill baseline_value (vanilla's value at the same point of the same run), baseline_backend
+    and ratio. Where vanilla ran on several backends (``vanilla@BACKEND``), the baseline of every
+    metric at a point is the backend fastest there by ``speed_metric``, so that one row set never
+    compares its metrics against different backends; without one, or at a point where no vanilla
+    has it, each metric's best vanilla value."""
+    point = lambda r: (r.bench, r.model_shape, r.batch, r.context)  # noqa: E731
+    vanilla = [r for r in rows if is_vanilla(r.policy) and r.value is not None]
+    fastest: dict = {}  # point -> the vanilla run fastest there by speed_metric
+    for r in vanilla:
+        held = fastest.get(point(r))
+        if r.metric == speed_metric and (held is None or _better(r, held)):
+            fastest[point(r)] = r
     best: dict = {}
-    for r in rows:
-        if not is_vanilla(r.policy) or r.value is None:
-            continue
-        held = best.get(key(r))
-        if held is None or (r.value < held.value) == lower_is_better(r):
-            best[key(r)] = r
+    for r in vanilla:
+        key, held = (point(r), r.metric), best.get((point(r), r.metric))
+        if point(r) in fastest:
+            if r.policy == fastest[point(r)].policy:
+                best[key] = r
+        elif held is None or _better(r, held):
+            best[key] = r
     for row in rows:
-        baseline = best.get(key(row))
+        baseline = best.get((point(row), row.metric))
         row.baseline_value = baseline.value if baseline else None
         row.baseline_backend = baseline.attention_backend if baseline else ""
         if row.value is not None and row.baseline_value:
             row.ratio = row.value / row.baseline_value
+
+
+def _better(row: Row, than: Row) -> bool:
+    """Whether ``row``'s value beats ``than``'s of the same metric: smaller for times and
+    distances from the floor, larger for rates."""
+    lower_is_better = (
+        "latency" in row.metric or "floor" in row.metric or row.metric.endswith("_ms")
+    )
+    return (row.value < than.value) == lower_is_better
 
 
 def _fmt(value: float | int | None) -> str:

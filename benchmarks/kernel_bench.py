@@ -291,16 +291,17 @@ def stage1_tuning_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
     out = torch.empty_like(inputs.q)
     rows = []
     for kind, (args, extra, tokens) in kinds.items():
+        kind_launch = skv.STAGE1_WHOLE if kind == "select" else skv.STAGE1_SELECTED
         workspace = skv.SplitKVWorkspace(batch, q_heads, kv_heads, dim, tokens, "cuda")
         for block_n, warps, stages in itertools.product((32, 64), (4, 8), (1, 2, 3, 4)):
-            launch = skv.Stage1Launch(block_n, warps, stages)
+            launch = replace(kind_launch, block_n=block_n, num_warps=warps, num_stages=stages)
 
             def run(launch=launch, args=args, extra=extra, workspace=workspace):
                 skv.split_kv_decode(
                     *args, inputs.scale, **extra, workspace=workspace, out=out, launch=launch
                 )
 
-            name = f"bn{block_n}-w{warps}-s{stages}" + ("*" if launch == skv.STAGE1_WHOLE else "")
+            name = f"bn{block_n}-w{warps}-s{stages}" + ("*" if launch == kind_launch else "")
             metric = f"stage1_ms:{name}"
             rows.append(info.row(**point, policy=kind, metric=metric, value=time_ms(run)))
         # the split count (the engine's choice marked), at the kind's default launch, and where
@@ -308,7 +309,6 @@ def stage1_tuning_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
         # "-launch" by stage 2's launch
         per_sm = skv.SHORT_LIST_PROGRAMS_PER_SM if kind == "sparse" else skv.PROGRAMS_PER_SM
         default = skv.num_kv_splits_for(batch, kv_heads, tokens, "cuda", per_sm)
-        kind_launch = skv.STAGE1_WHOLE if kind == "select" else skv.STAGE1_SELECTED
         merged = kind_launch.merge_in_last_split
         other = replace(kind_launch, merge_in_last_split=not merged)
         merges = {"": kind_launch, "-launch" if merged else "-merged": other}

@@ -29,6 +29,33 @@ def test_the_baseline_is_the_fastest_vanilla_backend():
     assert ratios(over_floor) == ratios(times)  # closer to the floor is better
 
 
+def test_one_backend_is_the_baseline_of_every_metric_at_a_point():
+    # fa3 is the faster by throughput; triton holds more KV and has the smaller fixed cost
+    rows = [
+        harness.Row(
+            bench="b", policy=policy, model_shape="s", batch=batch, context=8, metric=metric,
+            value=value, attention_backend=harness.named_backend(policy),
+        )
+        for policy, batch, metric, value in [
+            ("vanilla@fa3", 64, "tok_s", 10.0), ("vanilla@triton", 64, "tok_s", 7.0),
+            ("delta", 64, "tok_s", 18.0),
+            ("vanilla@fa3", 64, "kv_tokens", 100.0), ("vanilla@triton", 64, "kv_tokens", 120.0),
+            ("delta", 64, "kv_tokens", 90.0),
+            ("vanilla@fa3", 64, "fixed_ms", 2.1), ("vanilla@triton", 64, "fixed_ms", 1.9),
+            ("delta", 64, "fixed_ms", 2.5),
+            # a point without the speed metric: each metric's best vanilla, as without one
+            ("vanilla@fa3", 1, "fixed_ms", 3.0), ("vanilla@triton", 1, "fixed_ms", 2.0),
+        ]
+    ]  # fmt: skip
+    harness.add_baseline_ratios(rows, speed_metric="tok_s")
+    at_64 = {(r.policy, r.metric): (r.baseline_backend, r.ratio) for r in rows if r.batch == 64}
+    assert at_64[("delta", "tok_s")] == ("fa3", 1.8)
+    assert at_64[("delta", "kv_tokens")] == ("fa3", 0.9)
+    assert at_64[("delta", "fixed_ms")] == ("fa3", pytest.approx(2.5 / 2.1))
+    assert at_64[("vanilla@triton", "fixed_ms")] == ("fa3", pytest.approx(1.9 / 2.1))
+    assert [r.baseline_backend for r in rows if r.batch == 1] == ["triton", "triton"]
+
+
 def test_overhead_pools_every_point_of_every_run(tmp_path, capsys):
     runs = []
     for i, ratios in enumerate([[1.5, 0.5], [2.0]]):
