@@ -167,30 +167,26 @@ def policy_rows(
 
 
 def ideal_rows(rows: list[Row]) -> list[Row]:
-    """``IDEAL_METRIC`` of every run at every point where a vanilla run has a step and a floor:
-    the fastest such vanilla's step - its floor + the run's floor (rows of one run, or of a
-    saved one: the floors must share one copy bandwidth)."""
+    """``IDEAL_METRIC`` of every run at every point where the fastest vanilla has a step and a
+    floor: that vanilla's step - its floor + the run's floor (rows of one run, or of a saved one:
+    the floors must share one copy bandwidth)."""
     latency, floor = METRICS[0], FLOOR_METRICS[0]
-    points: dict[tuple, dict[str, Row]] = {}
-    for row in rows:
-        if row.metric in (latency, floor) and row.value is not None:
-            points.setdefault((row.policy, row.batch, row.context), {})[row.metric] = row
-    measured = {key: found for key, found in points.items() if len(found) == 2}
-    fastest: dict[tuple, dict[str, Row]] = {}  # (batch, context) -> a vanilla run's rows
-    for (policy, batch, context), found in measured.items():
-        held = fastest.get((batch, context))
-        if harness.is_vanilla(policy) and (
-            held is None or found[latency].value < held[latency].value
-        ):
-            fastest[batch, context] = found
+    floors = {
+        (row.policy, harness.point_of(row)): row.value
+        for row in rows
+        if row.metric == floor and row.value is not None
+    }
+    fastest = harness.fastest_vanilla(rows, latency)
     ideal = []
-    for (_, batch, context), found in measured.items():
-        vanilla = fastest.get((batch, context))
-        if vanilla is not None:
-            value = vanilla[latency].value - vanilla[floor].value + found[floor].value
+    for row in rows:
+        vanilla = fastest.get(harness.point_of(row))
+        if row.metric != latency or row.value is None or vanilla is None:
+            continue
+        own, vanilla_floor = (floors.get((r.policy, harness.point_of(r))) for r in (row, vanilla))
+        if own is not None and vanilla_floor is not None:
             ideal.append(dataclasses.replace(
-                found[latency], metric=IDEAL_METRIC, value=value, baseline_value=None, ratio=None,
-                baseline_backend="",
+                row, metric=IDEAL_METRIC, value=vanilla.value - vanilla_floor + own,
+                baseline_value=None, ratio=None, baseline_backend="",
             ))  # fmt: skip
     return ideal
 

@@ -354,29 +354,41 @@ def copy_bytes_per_s(device: str, nbytes: int = 1 << 30, repeats: int = 9) -> fl
 
 
 
+def point_of(row: Row) -> tuple:
+    """The point a row measures: its benchmark, shape, batch and context."""
+    return row.bench, row.model_shape, row.batch, row.context
+
+
+def fastest_vanilla(rows: list[Row], speed_metric: str) -> dict[tuple, Row]:
+    """Per point (``point_of``), the vanilla row of ``speed_metric`` with the best value."""
+    fastest: dict[tuple, Row] = {}
+    for r in rows:
+        if r.metric == speed_metric and is_vanilla(r.policy) and r.value is not None:
+            held = fastest.get(point_of(r))
+            if held is None or _better(r, held):
+                fastest[point_of(r)] = r
+    return fastest
+
+
 def add_baseline_ratios(rows: list[Row], speed_metric: str | None = None) -> None:
     """Fill baseline_value (vanilla's value at the same point of the same run), baseline_backend
     and ratio. Where vanilla ran on several backends (``vanilla@BACKEND``), the baseline of every
     metric at a point is the backend fastest there by ``speed_metric``, so that one row set never
     compares its metrics against different backends; without one, or at a point where no vanilla
     has it, each metric's best vanilla value."""
-    point = lambda r: (r.bench, r.model_shape, r.batch, r.context)  # noqa: E731
-    vanilla = [r for r in rows if is_vanilla(r.policy) and r.value is not None]
-    fastest: dict = {}  # point -> the vanilla run fastest there by speed_metric
-    for r in vanilla:
-        held = fastest.get(point(r))
-        if r.metric == speed_metric and (held is None or _better(r, held)):
-            fastest[point(r)] = r
+    fastest = fastest_vanilla(rows, speed_metric) if speed_metric else {}
     best: dict = {}
-    for r in vanilla:
-        key, held = (point(r), r.metric), best.get((point(r), r.metric))
-        if point(r) in fastest:
-            if r.policy == fastest[point(r)].policy:
+    for r in rows:
+        if not is_vanilla(r.policy) or r.value is None:
+            continue
+        key, held = (point_of(r), r.metric), best.get((point_of(r), r.metric))
+        if point_of(r) in fastest:
+            if r.policy == fastest[point_of(r)].policy:
                 best[key] = r
         elif held is None or _better(r, held):
             best[key] = r
     for row in rows:
-        baseline = best.get((point(row), row.metric))
+        baseline = best.get((point_of(row), row.metric))
         row.baseline_value = baseline.value if baseline else None
         row.baseline_backend = baseline.attention_backend if baseline else ""
         if row.value is not None and row.baseline_value:

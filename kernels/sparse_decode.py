@@ -217,7 +217,8 @@ class SharedSlotTables:
 
     def attend(self, q, k_buffer, v_buffer, sm_scale: float, logits=None):
         """(out, lse) of q [batch, q_heads, dim] over each entry's row of its reader's table;
-        ``logits`` as split_kv_decode's."""
+        ``logits`` as split_kv_decode's. Under the whole-cache launch, unlike a SlotTable's: a
+        reader's table may be Lethe's retained set, thousands of entries long."""
         batch = q.shape[0]
         return split_kv_decode(
             q, k_buffer, v_buffer, self._slots, self.rows[:batch], self._count, sm_scale,
