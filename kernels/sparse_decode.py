@@ -8,8 +8,10 @@ request's last page); its missing tokens are skipped.
 
 On CUDA a selection is read through a ``SlotTable``: each selection layer gathers its requests'
 selected KV slots once, and every sparse layer after it attends over that table with the split-KV
-kernel's whole-cache path (64-token tiles over slots, where the selected path walks pages through
-req_to_token in 32-token tiles). Several readers' tables may share one storage
+kernel reading the table as its req_to_token, under the launch tuned for short selected lists
+(``STAGE1_SELECTED``: over a 1k-token table at batch 64 its 32-token tiles were 3 % faster than
+the whole-cache launch's 64, and its merge by the last split's program 7 % faster than stage 2's
+launch; kernel_bench --parts tune, H100). Several readers' tables may share one storage
 (``SharedSlotTables``: a policy mix's members), so that one call reads each batch entry's row from
 its own reader's table.
 """
@@ -23,6 +25,7 @@ import triton.language as tl
 
 from .split_kv_decode import (
     SHORT_LIST_PROGRAMS_PER_SM,
+    STAGE1_SELECTED,
     SplitKVWorkspace,
     attend_positions_ref,
     num_kv_splits_for,
@@ -139,7 +142,7 @@ class SlotTable:
             )
         out, _ = split_kv_decode(
             q, k_buffer, v_buffer, *table, sm_scale, num_kv_splits=splits,
-            workspace=self.workspace, out=out,
+            workspace=self.workspace, out=out, launch=STAGE1_SELECTED,
         )  # fmt: skip
         return out
 
@@ -214,7 +217,8 @@ class SharedSlotTables:
 
     def attend(self, q, k_buffer, v_buffer, sm_scale: float, logits=None):
         """(out, lse) of q [batch, q_heads, dim] over each entry's row of its reader's table;
-        ``logits`` as split_kv_decode's."""
+        ``logits`` as split_kv_decode's. Under the whole-cache launch, unlike a SlotTable's: a
+        reader's table may be Lethe's retained set, thousands of entries long."""
         batch = q.shape[0]
         return split_kv_decode(
             q, k_buffer, v_buffer, self._slots, self.rows[:batch], self._count, sm_scale,

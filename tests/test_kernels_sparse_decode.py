@@ -70,8 +70,12 @@ def test_selected_tokens_match_reference(num_kv_heads, group, head_dim):
     "rows, page_size",
     [([[0], [2, 0], [4, 1, 3]], 16), ([[4, 0], [36, 3, 20, 7, 8], list(range(69, 19, -1))], 1)],
 )
-def test_a_slot_table_gathers_the_selection_and_attends_as_the_pages_do(rows, page_size):
+def test_a_slot_table_gathers_the_selection_and_attends_as_the_pages_do(
+    rows, page_size, monkeypatch
+):
     # pages: each request's partial last page, one mid-list (4 of 70 tokens); tokens unsorted
+    from sglang_ext.kernels import split_kv_decode as skv
+
     batch, sm_scale = make_batch(torch.bfloat16)
     selected, count = selection(rows, width=50)
     heads, dim = batch["q"].shape[1], batch["q"].shape[2]
@@ -83,6 +87,11 @@ def test_a_slot_table_gathers_the_selection_and_attends_as_the_pages_do(rows, pa
     for b, slots in enumerate(gather_selected_slots_ref(*cache, selected, count, page_size)):
         assert table.count[b] == len(slots)
         assert table.slots[b, : len(slots)].tolist() == slots.tolist()
+    # a sparse layer reads under the short-list launch: its splits merged by the last one's
+    # program, without stage 2's launch, where their count allows it
+    splits = table.workspace.splits[batch["q"].shape[0]]
+    if 1 < splits <= skv.MAX_MERGED_SPLITS:
+        monkeypatch.setattr(skv, "merge_splits", lambda *args: pytest.fail("stage 2 launched"))
     out = table.attend(batch["q"], batch["k_buffer"], batch["v_buffer"], sm_scale)
     expected = sparse_decode_attention_ref(
         **batch, selected=selected, num_selected=count, sm_scale=sm_scale, page_size=page_size
