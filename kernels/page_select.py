@@ -209,7 +209,7 @@ def select_tokens(
 # those, in a tree, until one list is left (exact: a unit among the row's best is among its
 # chunk's and its group's best). Chunks and merges past a request's length skip their work.
 # Passes over rows held in memory, instead, were measured slower than FlashInfer's top-k
-# (RESULTS.md, 2026-11-24).
+# (RESULTS.md, 2026-11-24). At most 65,535: _keep_best counts a pass's keys in 16-bit fields.
 FUSED_MAX_UNITS = 8192
 # A chunk holds this many units per candidate it keeps, at least MIN_CHUNK_UNITS: a short
 # request's row then spreads over several programs. DELTA's 56 candidates took whole 8192-unit
@@ -265,18 +265,41 @@ def _row_counts(SeqLens, RowBudget, row, budget, num_recent, PAGE, HAS_ROW_BUDGE
 def _keep_best(keys, is_candidate, num_top):
     """(keep, place): the num_top best candidate keys, ties to the lower offset, and where each
     kept one lands in ascending order (a prefix sum). The threshold is the largest key with at
-    least num_top candidate keys at or above it (the num_top-th largest), found bit by bit from
-    the top; of the keys equal to it, the lowest offsets are kept. A byte at a time by four
-    tl.histogram rounds measured 1.4-2x slower (H100, RESULTS.md 2026-11-26)."""
+    least num_top candidate keys at or above it, found from the top two bits a round: one
+    block-wide sum counts the keys at or above three trials (packed in 16-bit fields: a pass holds
+    at most FUSED_MAX_UNITS keys). The search stops once exactly num_top keys lie at or above the
+    threshold (distinct scores: after ~log2(keys) bits, not 32); else the threshold ends as the
+    num_top-th largest key, and of the keys equal to it the lowest offsets are kept. Four
+    tl.histogram rounds of a byte measured 1.4-2x slower than bit rounds (H100, RESULTS.md
+    2026-11-26)."""
     threshold = tl.zeros((), tl.uint32)
-    for bit in tl.static_range(31, -1, -1):
-        trial = threshold | (1 << bit)
-        count = tl.sum((is_candidate & (keys >= trial)).to(tl.int32))
+    shift = tl.full((), 30, tl.uint32)
+    searching = tl.full((), 1, tl.int1)  # num_top 0 too: it climbs until nothing is kept
+    while searching:
+        trial = threshold | (tl.full((), 1, tl.uint32) << shift)
+        trial2 = threshold | (tl.full((), 2, tl.uint32) << shift)
+        trial3 = threshold | (tl.full((), 3, tl.uint32) << shift)
+        at_or_above = (
+            (keys >= trial).to(tl.int64)
+            | ((keys >= trial2).to(tl.int64) << 16)
+            | ((keys >= trial3).to(tl.int64) << 32)
+        )
+        counts = tl.sum(tl.where(is_candidate, at_or_above, 0))
+        count, count2, count3 = counts & 0xFFFF, (counts >> 16) & 0xFFFF, counts >> 32
         threshold = tl.where(count >= num_top, trial, threshold)
-    ties_wanted = num_top - tl.sum((is_candidate & (keys > threshold)).to(tl.int32))
-    tie = (is_candidate & (keys == threshold)).to(tl.int32)
-    tie_rank = tl.cumsum(tie, 0) - tie
-    keep = (is_candidate & (keys > threshold)) | ((tie > 0) & (tie_rank < ties_wanted))
+        threshold = tl.where(count2 >= num_top, trial2, threshold)
+        threshold = tl.where(count3 >= num_top, trial3, threshold)
+        exact = (count == num_top) | (count2 == num_top) | (count3 == num_top)
+        searching = (shift > 0) & (exact == 0)
+        shift = tl.where(shift > 0, shift - 2, shift)
+    above = is_candidate & (keys > threshold)
+    tie = is_candidate & (keys == threshold)
+    ties_wanted = num_top - tl.sum(above.to(tl.int32))
+    if ties_wanted < tl.sum(tie.to(tl.int32)):  # only then rank the ties (one more prefix sum)
+        tie_rank = tl.cumsum(tie.to(tl.int32), 0) - tie.to(tl.int32)
+        keep = above | (tie & (tie_rank < ties_wanted))
+    else:
+        keep = above | tie
     place = tl.cumsum(keep.to(tl.int32), 0) - keep.to(tl.int32)
     return keep, place
 

@@ -201,6 +201,18 @@ def test_keys_alike_but_for_their_low_bits_rank_exactly():
     assert_fused_matches_oracle(near[:, :40], lens, 6, 2, 16)
 
 
+def test_distinct_scores_stop_the_search_early_and_rank_exactly():
+    # no ties: the threshold search stops as soon as exactly the wanted number lie above it
+    gen = torch.Generator().manual_seed(12)
+    lens = torch.tensor([2, 41, 90, 257, 600, 600], dtype=torch.int32, device=DEVICE)
+    distinct = torch.rand(len(lens), 600, generator=gen).to(DEVICE)
+    distinct[5] = torch.randperm(600, generator=gen).float() - 300.0  # integers, signed
+    own = torch.tensor([1, 40, 2, 17, 39, 40], dtype=torch.float32, device=DEVICE)
+    assert_fused_matches_oracle(distinct, lens, 40, 1, 1, own)
+    assert_fused_matches_oracle(-distinct, lens, 40, 1, 1)
+    assert_fused_matches_oracle(distinct[:, :40], lens, 6, 2, 16, num_sink=1)
+
+
 def test_wide_rows_choose_among_each_chunks_best(monkeypatch):
     # 64-unit chunks stand in for 8192-unit ones: rows of up to twenty chunks, ties across chunks
     monkeypatch.setattr(page_select, "FUSED_MAX_UNITS", 64)
