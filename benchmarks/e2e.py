@@ -23,6 +23,10 @@ throughput every 40 steps) while the whole batch runs: ``decode_step_fixed_ms`` 
 ``decode_step_slope_ms`` (per 1,024 tokens of each request's context), a least-squares line: where
 an end-to-end ratio comes from (a policy's fixed cost per step against its growth with context);
 and ``decode_step_ms``, the median of those lines' step times (TPOT at the full batch).
+``decode_step_residual_frac`` is the root mean square of the steps' distance from that line over
+the median step. A GPU-bound step follows its line; one noisy at every context (5 % in an H200
+DELTA run whose line came out flat, 2026-11-28, against 0.4-1.3 % in DELTA's four runs before it)
+waited on something else than its kernels, such as the host, and a ratio from it measures that.
 ``decode_step_ideal_ms`` is the step a run would take at the fastest vanilla's cost: that
 vanilla's line at the run's mean tokens attended per layer and step (vanilla's whole context; a
 policy's as its server reports them, before ART's early stop). Its ratio (to vanilla's) is the
@@ -48,6 +52,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import random
 import re
 import sys
@@ -344,6 +349,7 @@ class PolicyRun:
     budget: str = ""  # the policy's KV budget (KVPolicy.budget)
     step_curve: tuple[float, float] | None = None  # decode_step_curve of its server's log
     step_ms: float | None = None  # decode_step_ms of its server's log (TPOT at the full batch)
+    step_residual: float | None = None  # decode_step_residual_frac of its server's log
     mean_attended: float | None = None  # measure's tokens attended per layer and step
 
     def save(self, path: Path) -> None:
@@ -374,6 +380,8 @@ class PolicyRun:
             metrics |= {"decode_step_fixed_ms": fixed, "decode_step_slope_ms": slope}
         if self.step_ms is not None:
             metrics["decode_step_ms"] = self.step_ms
+        if self.step_residual is not None:
+            metrics["decode_step_residual_frac"] = self.step_residual
         return [self.row(args, name, value) for name, value in metrics.items()]
 
     def row(self, args, metric: str, value: float) -> Row:
@@ -419,6 +427,7 @@ def measure_policy(args, policy: str, prompts: list[list[int]], info: RunInfo) -
         log = server.log()
         retracted = sum(int(n) for n in RETRACTED_LOG.findall(log))
         step_curve, step_ms = decode_step_curve(log), decode_step_ms(log)
+        step_residual = decode_step_residual_frac(log)
         greedy = [
             generate(server.url, ids, GREEDY_CHECK_TOKENS).output_ids
             for ids in prompts[:GREEDY_CHECK_REQUESTS]
@@ -429,7 +438,7 @@ def measure_policy(args, policy: str, prompts: list[list[int]], info: RunInfo) -
         output_tok_s=tok_s, retracted=retracted, samples=sampler.samples, greedy=greedy,
         attention_backend=flag_value(argv, "--attention-backend", ""),
         budget=harness.policy_budget(policy, args.policy_config), step_curve=step_curve,
-        step_ms=step_ms, mean_attended=attended,
+        step_ms=step_ms, step_residual=step_residual, mean_attended=attended,
     )  # fmt: skip
 
 
@@ -457,6 +466,18 @@ def decode_step_curve(log: str) -> tuple[float, float] | None:
     contexts, step_ms = zip(*full, strict=True)
     slope, fixed = statistics.linear_regression(contexts, step_ms)
     return fixed, slope
+
+
+def decode_step_residual_frac(log: str) -> float | None:
+    """The root mean square of ``full_batch_steps``' distance from ``decode_step_curve``'s line,
+    over their median step; None with fewer than three lines."""
+    full = full_batch_steps(log)
+    if len(full) < 3:
+        return None
+    fixed, slope = decode_step_curve(log)
+    off_line = [step - fixed - slope * context for context, step in full]
+    median_step = statistics.median(step for _, step in full)
+    return math.sqrt(statistics.fmean([d * d for d in off_line])) / median_step
 
 
 def partial_path(args, policy: str, directory: Path | None = None) -> Path:

@@ -69,13 +69,18 @@ def test_the_decode_step_line_is_fit_at_the_full_batch_without_the_prefill_inter
     assert e2e.decode_step_ms(log) == pytest.approx(3.75, abs=1e-3)
     assert e2e.decode_step_ms("Prefill batch ...") is None
     assert e2e.decode_step_curve("\n".join(full[:3])) is None  # two lines after the first
+    # every step on the line here; steps flat and noisy across contexts 0.2 ms off a 3.5 ms one
+    assert e2e.decode_step_residual_frac(log) == pytest.approx(0.0, abs=1e-4)
+    flat = [line(4, c, 3.5 + (0.2 if c % 2048 else -0.2)) for c in range(1024, 10 * 1024, 1024)]
+    assert e2e.decode_step_residual_frac("\n".join(flat)) == pytest.approx(0.2 / 3.5, rel=0.05)
+    assert e2e.decode_step_residual_frac("\n".join(full[:3])) is None
 
     run = e2e.PolicyRun("delta", "H100", "0.5.17", "T", 1.0, 0, [], [], step_curve=(fixed, slope),
-                        step_ms=3.75)  # fmt: skip
+                        step_ms=3.75, step_residual=0.01)  # fmt: skip
     args = e2e.build_parser().parse_args(["--shape", "qwen1.5b"])
     metrics = {row.metric: row.value for row in run.rows(args)}
     assert metrics["decode_step_fixed_ms"] == fixed and metrics["decode_step_slope_ms"] == slope
-    assert metrics["decode_step_ms"] == 3.75
+    assert metrics["decode_step_ms"] == 3.75 and metrics["decode_step_residual_frac"] == 0.01
 
 
 def test_real_weights_serve_smollm2_on_distinct_natural_prompts_of_the_exact_length(model_path):
