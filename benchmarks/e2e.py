@@ -460,24 +460,29 @@ def decode_step_ms(log: str) -> float | None:
 def decode_step_curve(log: str) -> tuple[float, float] | None:
     """(ms at context 0, ms per 1,024 tokens of context) of a decode step: the least-squares line
     through ``full_batch_steps``; None with fewer than three lines."""
-    full = full_batch_steps(log)
-    if len(full) < 3:
-        return None
-    contexts, step_ms = zip(*full, strict=True)
-    slope, fixed = statistics.linear_regression(contexts, step_ms)
-    return fixed, slope
+    return _step_line(full_batch_steps(log))
 
 
 def decode_step_residual_frac(log: str) -> float | None:
     """The root mean square of ``full_batch_steps``' distance from ``decode_step_curve``'s line,
     over their median step; None with fewer than three lines."""
     full = full_batch_steps(log)
-    if len(full) < 3:
+    line = _step_line(full)
+    if line is None:
         return None
-    fixed, slope = decode_step_curve(log)
+    fixed, slope = line
     off_line = [step - fixed - slope * context for context, step in full]
     median_step = statistics.median(step for _, step in full)
     return math.sqrt(statistics.fmean([d * d for d in off_line])) / median_step
+
+
+def _step_line(full: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """(intercept, slope) of the least-squares line through (context, step) points."""
+    if len(full) < 3:
+        return None
+    contexts, step_ms = zip(*full, strict=True)
+    slope, fixed = statistics.linear_regression(contexts, step_ms)
+    return fixed, slope
 
 
 def partial_path(args, policy: str, directory: Path | None = None) -> Path:
