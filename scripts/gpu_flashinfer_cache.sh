@@ -13,7 +13,8 @@
 # Tried here on a stand-in FlashInfer only (2026-11-28): its first GPU host is still to come.
 set -euo pipefail
 part=.gpu/fi_aot
-flashinfer_paths() {  # the JIT folder below FlashInfer's cache (VERSION/ARCH/cached_ops), the AOT one
+# the JIT folder below FlashInfer's cache (VERSION/ARCH/cached_ops), and the AOT folder
+flashinfer_paths() {
   python3 -c "from flashinfer.jit import env
 print(env.FLASHINFER_JIT_DIR.relative_to(env.FLASHINFER_CACHE_DIR), env.FLASHINFER_AOT_DIR)"
 }
@@ -21,11 +22,12 @@ case "${1:-}" in
   pack)
     read -r jit_dir _ < <(flashinfer_paths)
     cd "$HOME/.cache/flashinfer"
-    find "$jit_dir" -name '*.so' > /tmp/fi_aot.list
-    tar -czf - -T /tmp/fi_aot.list | split -b 15m - "${OUT:?pack writes under \$OUT}/fi_aot.tgz."
-    echo "packed $(wc -l < /tmp/fi_aot.list) libraries of $jit_dir: $(ls "$OUT"/fi_aot.tgz.*)" ;;
+    libraries=$(mktemp) && find "$jit_dir" -name '*.so' > "$libraries"
+    tar -czf - -T "$libraries" | split -b 15m - "${OUT:?pack writes under \$OUT}/fi_aot.tgz."
+    echo "packed $(wc -l < "$libraries") libraries of $jit_dir: $(ls "$OUT"/fi_aot.tgz.*)" ;;
   keep)
-    rm -rf "$part" && mkdir -p "$part" && cp "${2:?keep needs the folder of the call files}"/fi_aot.tgz.* "$part"/
+    [[ $# -ge 2 ]] || { echo "usage: $0 keep FILES_DIR (the folder of a call's files)" >&2; exit 2; }
+    rm -rf "$part" && mkdir -p "$part" && cp "$2"/fi_aot.tgz.* "$part"/
     echo "kept in $part: $(ls "$part")" ;;
   install)
     read -r jit_dir aot_dir < <(flashinfer_paths)
@@ -34,7 +36,8 @@ case "${1:-}" in
       echo "$part holds $(cd "$unpacked" && ls -d */*/), not $jit_dir: nothing installed"; exit 0
     fi
     for lib in "$unpacked/$jit_dir"/*/*.so; do
-      name=$(basename "$(dirname "$lib")") && mkdir -p "$aot_dir/$name" && cp "$lib" "$aot_dir/$name/"
+      name=$(basename "$(dirname "$lib")")
+      mkdir -p "$aot_dir/$name" && cp "$lib" "$aot_dir/$name/"
     done
     echo "installed $(ls "$unpacked/$jit_dir" | wc -l) FlashInfer libraries into $aot_dir" ;;
   *) echo "usage: $0 pack|keep FILES_DIR|install" >&2; exit 2 ;;
