@@ -57,7 +57,7 @@ def packed(tmp_path):
     ("0.6.15.post1/100a/cached_ops", ()),  # another arch: its libraries would fail to load
     ("0.6.16/90a/cached_ops", ()),
 ])  # fmt: skip
-def test_a_fresh_host_loads_the_packed_libraries_only_where_version_and_arch_match(
+def test_a_fresh_host_gets_the_packed_libraries_only_where_version_and_arch_match(
     packed, tmp_path, jit_subdir, installed
 ):
     repo = tmp_path / "repo"
