@@ -13,24 +13,27 @@
 # Tried here on a stand-in FlashInfer only (2026-11-28): its first GPU host is still to come.
 set -euo pipefail
 part=.gpu/fi_aot
-# the JIT folder below FlashInfer's cache (VERSION/ARCH/cached_ops), and the AOT folder
+# the JIT folder below FlashInfer's cache (VERSION/ARCH/cached_ops), and the AOT folder; a
+# FlashInfer that does not import stops the script here (set -e), not at a path left empty
 flashinfer_paths() {
   python3 -c "from flashinfer.jit import env
 print(env.FLASHINFER_JIT_DIR.relative_to(env.FLASHINFER_CACHE_DIR), env.FLASHINFER_AOT_DIR)"
 }
 case "${1:-}" in
   pack)
-    read -r jit_dir _ < <(flashinfer_paths)
+    paths=$(flashinfer_paths)
+    read -r jit_dir _ <<< "$paths"
     cd "$HOME/.cache/flashinfer"
     libraries=$(mktemp) && find "$jit_dir" -name '*.so' > "$libraries"
     tar -czf - -T "$libraries" | split -b 15m - "${OUT:?pack writes under \$OUT}/fi_aot.tgz."
     echo "packed $(wc -l < "$libraries") libraries of $jit_dir: $(ls "$OUT"/fi_aot.tgz.*)" ;;
   keep)
-    [[ $# -ge 2 ]] || { echo "usage: $0 keep FILES_DIR (the folder of a call's files)" >&2; exit 2; }
+    [[ $# -ge 2 ]] || { echo "usage: $0 keep FILES_DIR (a call's files)" >&2; exit 2; }
     rm -rf "$part" && mkdir -p "$part" && cp "$2"/fi_aot.tgz.* "$part"/
     echo "kept in $part: $(ls "$part")" ;;
   install)
-    read -r jit_dir aot_dir < <(flashinfer_paths)
+    paths=$(flashinfer_paths)
+    read -r jit_dir aot_dir <<< "$paths"
     unpacked=$(mktemp -d) && cat "$part"/fi_aot.tgz.* | tar -C "$unpacked" -xzf -
     if [[ ! -d "$unpacked/$jit_dir" ]]; then
       echo "$part holds $(cd "$unpacked" && ls -d */*/), not $jit_dir: nothing installed"; exit 0

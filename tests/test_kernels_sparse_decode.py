@@ -89,9 +89,8 @@ def test_a_slot_table_gathers_the_selection_and_attends_as_the_pages_do(
         assert table.slots[b, : len(slots)].tolist() == slots.tolist()
     # a sparse layer reads under the short-list launch: its splits merged by the last one's
     # program, without stage 2's launch, where their count allows it
-    splits = table.workspace.splits[batch["q"].shape[0]]
-    if 1 < splits <= skv.MAX_MERGED_SPLITS:
-        monkeypatch.setattr(skv, "merge_splits", lambda *args: pytest.fail("stage 2 launched"))
+    assert 1 < table.workspace.splits[batch["q"].shape[0]] <= skv.MAX_MERGED_SPLITS
+    monkeypatch.setattr(skv, "merge_splits", lambda *args: pytest.fail("stage 2 launched"))
     out = table.attend(batch["q"], batch["k_buffer"], batch["v_buffer"], sm_scale)
     expected = sparse_decode_attention_ref(
         **batch, selected=selected, num_selected=count, sm_scale=sm_scale, page_size=page_size
