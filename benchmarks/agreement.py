@@ -4,7 +4,7 @@ full attention's, as top-1 agreement and KL(full ‖ policy), averaged over posi
 
     python -m benchmarks.agreement --lengths 8192 --prompts-per-length 2 --budgets 256,512,1024
 
-How (sglang_ext.agreement): a passage of natural text is prefilled once under full attention
+How (sglang_ext.tools.agreement): a passage of natural text is prefilled once under full attention
 (transformers, SmolLM2's real weights, fp32, CPU); each measured position (every --stride-th
 from --positions-from on) is then decoded as one step whose layers attend as the policy's roles
 say, selections by the policy's own rule from the engine's token scores, over the prefill's K/V
@@ -15,7 +15,7 @@ path itself); ``bf16`` is full attention with the model in bf16 against fp32 (th
 ``lethe-R`` (``--lethe-ratios``: its ``max_kv_ratio``) decodes the passage from --positions-from
 on through the engine's own Lethe runtime, the first --positions-from tokens its prompt, every
 step's query the prefill's; each measured step reads what each layer retains then
-(``sglang_ext.agreement.LetheReads``), and ``kv_kept_fraction`` is the share of the positions
+(``sglang_ext.tools.agreement.LetheReads``), and ``kv_kept_fraction`` is the share of the positions
 whose KV it still holds there. ``--variants tidal:sink_tokens=0`` measures a policy with other
 parameters beside its defaults, DELTA and Tidal at each budget (``tidal[sink_tokens=0]-1024``),
 Lethe once, with --lethe-threshold unless the variant sets it (``lethe[max_kv_ratio=0.9]``).
@@ -33,9 +33,9 @@ from transformers import AutoTokenizer
 
 from benchmarks import harness
 from benchmarks.harness import Row, RunInfo
-from sglang_ext import agreement as ag
-from sglang_ext import attention_trace as at
-from sglang_ext.calibrate import model_slug
+from sglang_ext.tools import agreement as ag
+from sglang_ext.tools import attention_trace as at
+from sglang_ext.tools.calibrate import model_slug
 from sglang_ext.policies import build_policy, policy_class
 from sglang_ext.policies.calibration import model_fingerprint
 

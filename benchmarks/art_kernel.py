@@ -12,7 +12,7 @@ loop alone) against our split-KV kernel (`full`) and the decode kernels of SGLan
 (`vanilla@triton`, `vanilla@flashinfer`, `vanilla@fa3` on Hopper; the baseline is the fastest).
 ``--policy-config '{"tile_tokens": 64}'`` sets ART's parameters (both rows). ``--captured``:
 every layer's decode query, keys and values of SmolLM2 (real weights) on a natural-text prompt
-(sglang_ext.attention_trace, fp32 on the CPU), cast to bf16 and repeated over the batch; the
+(sglang_ext.tools.attention_trace, fp32 on the CPU), cast to bf16 and repeated over the batch; the
 layer times are summed over the model's layers, and `art` rows carry the tiles read and the
 relative error of the output.
 """
@@ -115,7 +115,7 @@ class CapturedInputs(Inputs):
 def captured_points(args, info, art, art_off) -> list[Row]:
     from transformers import AutoTokenizer
 
-    from sglang_ext import attention_trace as at
+    from sglang_ext.tools import attention_trace as at
     from sglang_ext.model import default_model_path
 
     model_path = args.model_path or default_model_path()

@@ -5,7 +5,7 @@ the baseline, 1) and the attention output's error against full attention. CPU, r
     python -m benchmarks.art_skip --lengths 1024,4096 --decode-steps 4
 
 Each prompt (natural text, exactly the given length) is decoded greedily under full attention
-(sglang_ext.attention_trace, which records every layer's query, keys and values); each decode
+(sglang_ext.tools.attention_trace, which records every layer's query, keys and values); each decode
 step's attention of every layer is then run through ART's torch reference (kernels/art_decode.py,
 the engine's CPU path and the Triton kernel's oracle, which the kernel tests hold it to), over
 full attention's recent-first order, as one request. The error is the relative L2 error of the
@@ -22,7 +22,7 @@ import torch
 
 from benchmarks import harness
 from benchmarks.harness import RunInfo
-from sglang_ext import attention_trace as at
+from sglang_ext.tools import attention_trace as at
 from sglang_ext.kernels.art_decode import art_decode_ref
 from sglang_ext.policies import build_policy
 

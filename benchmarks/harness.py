@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 
 
-from sglang_ext.engine_process import EngineServer, engine_env, free_port, log_tail  # noqa: F401  (re-exported)
+from benchmarks.engine_process import EngineServer, engine_env, free_port, log_tail  # noqa: F401  (re-exported)
 from sglang_ext.engine.backends import default_cuda_backend
 from sglang_ext.launch import CPU_DEFAULT_MAX_TOTAL_TOKENS
 from sglang_ext.platform import cpu
@@ -150,8 +150,8 @@ def trace_parser(
     bench: str, doc: str, lengths: list[int], decode_steps: int | None = None
 ) -> argparse.ArgumentParser:
     """The flags of the benchmarks that replay full-attention decode traces of real weights on the
-    CPU (sglang_ext.attention_trace): which model, prompts and steps, where results go."""
-    from sglang_ext.attention_trace import SEED_TEXT_DIR
+    CPU (sglang_ext.tools.attention_trace): which model, prompts and steps, where results go."""
+    from sglang_ext.tools.attention_trace import SEED_TEXT_DIR
 
     parser = argparse.ArgumentParser(
         prog=f"python -m benchmarks.{bench}", description=doc.split("\n\n")[0]

@@ -24,7 +24,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from sglang_ext.eviction import LetheRuntime
+from sglang_ext.policies.lethe.runtime import LetheRuntime
 from sglang_ext.policies import DecodeContext, build_policy
 from sglang_ext.policies.runtime import EngineOps, StepRequest
 
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--requests", type=harness.int_list, default=[1, 16],
         help="requests pruned in one call (rows' batch; one round batches as many as "
-        "sglang_ext.eviction.ROUND_ENTRIES allows)",
+        "sglang_ext.policies.lethe.runtime.ROUND_ENTRIES allows)",
     )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument(

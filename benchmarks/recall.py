@@ -5,7 +5,7 @@ and prompts; per policy, token budget and prompt length, and per layer. CPU, rea
     python -m benchmarks.recall --lengths 4096,7500 --budgets 256,512,1024 --decode-steps 16
 
 Each prompt (natural text, exactly the given length in tokens) is decoded greedily under full
-attention (sglang_ext.attention_trace); each policy's own selection then runs on that trace with the
+attention (sglang_ext.tools.attention_trace); each policy's own selection then runs on that trace with the
 layer lists the engine would use: the model's calibration file, else the papers' layers scaled to
 its depth. A budget of B tokens is B/16 pages with B/128 recent pages for DELTA (the paper's ratio:
 64 pages, 8 recent) and B tokens with the decoded token kept for TidalDecode.
@@ -29,8 +29,8 @@ import torch
 from benchmarks import harness
 from benchmarks.harness import RunInfo
 from benchmarks.plot_recall import plot_recall
-from sglang_ext import attention_trace as at
-from sglang_ext.calibrate import model_slug
+from sglang_ext.tools import attention_trace as at
+from sglang_ext.tools.calibrate import model_slug
 from sglang_ext.policies import build_policy, policy_class
 from sglang_ext.policies.calibration import find_calibration, model_fingerprint
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import requests
 
-from sglang_ext.engine_process import EngineServer, engine_env, free_port
+from benchmarks.engine_process import EngineServer, engine_env, free_port
 
 # ~2.7k tokens of similar facts: more than tidal's default 1024-token budget
 PROMPT = " ".join(

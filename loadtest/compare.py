@@ -23,7 +23,7 @@ import requests
 
 from benchmarks.harness import RunInfo
 from loadtest import driver
-from sglang_ext.engine_process import EngineServer, engine_env, free_port
+from benchmarks.engine_process import EngineServer, engine_env, free_port
 
 HERE = Path(__file__).resolve().parent
 

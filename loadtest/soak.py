@@ -31,7 +31,7 @@ import torch
 
 from benchmarks.harness import RunInfo
 from loadtest import driver
-from sglang_ext.engine_process import EngineServer, engine_env, free_port
+from benchmarks.engine_process import EngineServer, engine_env, free_port
 from sglang_ext.server.metrics import by_policy
 
 HERE = Path(__file__).resolve().parent

@@ -152,8 +152,8 @@ class ArtOver(KVPolicy):
     def reads_tiles(self) -> bool:
         return True
 
-    def cache_correction_interval(self) -> int:
-        return self.base.cache_correction_interval()
+    def cache_correction(self):
+        return self.base.cache_correction()
 
     def attended_tokens(self, seq_len: int, num_layers: int) -> float:
         return self.base.attended_tokens(seq_len, num_layers)

@@ -10,6 +10,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from sglang_ext.policies.runtime import FULL, PolicyRuntime
+
 
 class PolicyConfigError(ValueError):
     """A policy name or parameter is invalid. ``field`` names the offending key."""
@@ -24,7 +26,8 @@ class PolicyConfigError(ValueError):
 # forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs) -> attention output
 DecodeFn = Callable[..., Any]
 
-FULL = "full"  # the name a request that opted out of the served policy decodes under
+# plans, once per decode batch on the host, which requests' K/V are re-filled (cache correction)
+CorrectionPlanner = Callable[[list[Any]], Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,11 +176,9 @@ class KVPolicy:
         """One decode function per layer, built once from the backend's context."""
         return [ctx.base_decode] * ctx.num_layers
 
-    def runtime(self, ctx: DecodeContext):
+    def runtime(self, ctx: DecodeContext) -> PolicyRuntime:
         """This policy's life in one attention backend (policies.runtime), built once at start-up
         from the policy ``for_model`` gave."""
-        from sglang_ext.policies.runtime import PolicyRuntime
-
         return PolicyRuntime(self, ctx)
 
     def evicts(self) -> bool:
@@ -199,10 +200,10 @@ class KVPolicy:
         """SGLang flags the launcher adds where the user gave none (None: a flag without value)."""
         return {}
 
-    def cache_correction_interval(self) -> int:
-        """Every how many decode steps sparsely decoded tokens get their K/V re-filled with full
-        attention (sglang_ext.cache_correction); 0: never."""
-        return 0
+    def cache_correction(self) -> CorrectionPlanner | None:
+        """Plans, once per decode batch on the host, which requests get their sparsely decoded
+        tokens' K/V re-filled with full attention (policies.tidal.cache_correction); None: never."""
+        return None
 
     def budget(self) -> str:
         """Its KV budget in a few words, for reports (a benchmark row's ``budget``); empty for a

@@ -1,4 +1,4 @@
-"""Per-model layer configurations written by ``python -m sglang_ext.calibrate``.
+"""Per-model layer configurations written by ``python -m sglang_ext.tools.calibrate``.
 
 A calibration file is JSON in ``sglang_ext/calibrations/`` (or the directory named by
 $SGLANG_EXT_CALIBRATION_DIR), matched to a model by its architecture fingerprint:

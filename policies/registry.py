@@ -1,10 +1,6 @@
-"""Policy registry: name -> policy class, and building a validated policy from a config dict."""
+"""Policy registry: name -> policy class."""
 
 from __future__ import annotations
-
-import dataclasses
-from collections.abc import Mapping
-from typing import Any
 
 from sglang_ext.policies.base import KVPolicy, PolicyConfigError
 
@@ -27,23 +23,3 @@ def policy_class(name: str) -> type[KVPolicy]:
         return _POLICIES[name]
     except KeyError:
         raise PolicyConfigError("policy", f"unknown policy {name!r}", policy_names()) from None
-
-
-def build_policy(name: str, params: Mapping[str, Any] | None = None) -> KVPolicy:
-    if "," in name:  # several, each request choosing one: A,B,...
-        from sglang_ext.policies.mix import build_mix
-
-        return build_mix(name, dict(params or {}), build_policy)
-    if "+" in name:  # a composition: BASE+art
-        from sglang_ext.policies.art import compose
-
-        return compose(name, dict(params or {}), build_policy)
-    cls = policy_class(name)
-    params = dict(params or {})
-    known = [f.name for f in dataclasses.fields(cls)]
-    for key in params:
-        if key not in known:
-            if not known:
-                raise PolicyConfigError(f"{name}.{key}", f"policy {name!r} takes no parameters")
-            raise PolicyConfigError(f"{name}.{key}", "unknown parameter", known)
-    return cls(**params)

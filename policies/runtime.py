@@ -23,11 +23,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sglang_ext.policies.base import FULL, DecodeContext, DecodeFn, KVPolicy
+if TYPE_CHECKING:
+    from sglang_ext.policies.base import DecodeContext, DecodeFn, KVPolicy
+
+FULL = "full"  # the name a request that opted out of the served policy decodes under
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +91,7 @@ class StepPlan:
     decode: bool
     requests: list[StepRequest]
     rounds: list[StepRequest] = dataclasses.field(default_factory=list)  # due for eviction
-    correction: Any = None  # sglang_ext.cache_correction.CorrectionPlan
+    correction: Any = None  # sglang_ext.policies.tidal.cache_correction.CorrectionPlan
     # prefill: (request slots, their rows of ctx.request_values), on the host
     request_values: tuple[torch.Tensor, torch.Tensor] | None = None
     batch_tokens: int = 0  # decode: the tokens its requests hold (a shared prefix per request)
@@ -106,13 +109,13 @@ class EngineOps:
 
 class PolicyRuntime:
     """The default lifecycle: stateless decode functions, optional cache correction, per-request
-    values written at prefill. Lethe's runtime (``sglang_ext.eviction``) adds eviction."""
+    values written at prefill. Lethe's runtime (``sglang_ext.policies.lethe.runtime``) adds eviction."""
 
     def __init__(self, policy: KVPolicy, ctx: DecodeContext):
         self.policy, self.ctx = policy, ctx
         self.decode_fns: list[DecodeFn] = policy.decode_fns(ctx)
         self.stats = RuntimeStats()
-        self.correction_interval = policy.cache_correction_interval()
+        self.plan_correction = policy.cache_correction()
         self.tile_counts = ctx.art_tile_counts if policy.reads_tiles() else None
         self.graphable = True  # whether the current decode step may replay a CUDA graph
 
@@ -131,11 +134,7 @@ class PolicyRuntime:
     def plan_step(self, requests: list[StepRequest], decode: bool) -> StepPlan:
         if not decode:
             return StepPlan(False, requests, request_values=self._request_values(requests))
-        correction = None
-        if self.correction_interval > 0:
-            from sglang_ext.cache_correction import plan_correction
-
-            correction = plan_correction(requests, self.correction_interval)
+        correction = None if self.plan_correction is None else self.plan_correction(requests)
         batch_tokens = sum(r.seq_len for r in requests)
         return StepPlan(True, requests, correction=correction, batch_tokens=batch_tokens)
 

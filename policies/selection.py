@@ -3,7 +3,7 @@ the sparse layers after them read, made anew at every decode step.
 
 A policy lists its full-attention layers and its selection layers; every other layer is sparse and
 reads the latest selection. Layer lists left unset come from the model's calibration file
-(``python -m sglang_ext.calibrate``), else from the paper's defaults scaled to the model's depth.
+(``python -m sglang_ext.tools.calibrate``), else from the paper's defaults scaled to the model's depth.
 """
 
 from __future__ import annotations

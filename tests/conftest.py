@@ -21,7 +21,7 @@ def model_path() -> Path:
 @pytest.fixture(scope="session")
 def strict_env() -> dict[str, str]:
     """Environment for engine processes: SGLang's idle and busy KV conservation checks raise on a leak."""
-    from sglang_ext.engine_process import engine_env
+    from benchmarks.engine_process import engine_env
 
     env = engine_env()
     env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"] = "1"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import requests
 
-from sglang_ext.engine_process import EngineServer, free_port
+from benchmarks.engine_process import EngineServer, free_port
 
 __all__ = ["ServerProcess", "free_port", "metric", "policy_servers"]
 

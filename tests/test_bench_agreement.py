@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks import agreement, harness
-from sglang_ext import agreement as ag
+from sglang_ext.tools import agreement as ag
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_per_layer_memory_holds_less_than_the_union_under_the_same_rule(values):
 
 
 def test_a_selection_per_kv_head_reads_what_its_own_query_group_chose(values):
-    from sglang_ext import attention_trace as at
+    from sglang_ext.tools import attention_trace as at
     from sglang_ext.policies import build_policy
 
     assert values["tidal-per-kv-head-128", "kl_nats"] != values["tidal-128", "kl_nats"]
@@ -133,7 +133,7 @@ def test_positions_outside_the_passage_are_refused(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def passage(model_path):
-    from sglang_ext import attention_trace as at
+    from sglang_ext.tools import attention_trace as at
     from transformers import AutoTokenizer
 
     model = ag.load_model(model_path)

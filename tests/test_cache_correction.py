@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from sglang_ext.cache_correction import plan_correction
+from sglang_ext.policies.tidal.cache_correction import plan_correction
 from sglang_ext.engine.batches import correction_batch
 from sglang_ext.policies import build_policy
 from sglang_ext.policies.runtime import RequestState, StepRequest
@@ -49,8 +49,8 @@ def test_tokens_not_yet_on_the_host_wait_for_a_later_round():
 
 @pytest.mark.parametrize("name", ["tidal", "delta", "full"])
 def test_correction_is_off_by_default(name):
-    assert build_policy(name).cache_correction_interval() == 0
-    assert build_policy("tidal", {"correction_interval": 4}).cache_correction_interval() == 4
+    assert build_policy(name).cache_correction() is None
+    assert build_policy("tidal", {"correction_interval": 4}).cache_correction().interval == 4
 
 
 def test_the_correction_batch_reruns_each_token_into_its_own_slot():

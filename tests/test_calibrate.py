@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_ext import agreement as ag
-from sglang_ext import attention_trace as at
-from sglang_ext import calibrate
+from sglang_ext.tools import agreement as ag
+from sglang_ext.tools import attention_trace as at
+from sglang_ext.tools import calibrate
 from sglang_ext.policies import build_policy
 from sglang_ext.policies.calibration import find_calibration, model_fingerprint
 from sglang_ext.policies.selection import LayerRole

@@ -10,7 +10,7 @@ import pytest
 from sglang_ext import engine, plugin
 from sglang_ext.config import POLICY_ENV, active_policy
 from sglang_ext.engine import targets
-from sglang_ext.engine_process import engine_env
+from benchmarks.engine_process import engine_env
 
 # Loads SGLang's plugins as an engine process does, then reports what each hooked target and
 # attention backend resolves to now.

@@ -11,8 +11,8 @@ import pytest
 import torch
 from kernel_cases import DEVICE
 from policy_cases import Cache
-from sglang_ext import eviction
-from sglang_ext.layer_memory import PoolLayoutError, pooled_buffers
+from sglang_ext.policies.lethe import runtime as eviction
+from sglang_ext.policies.lethe.layer_memory import PoolLayoutError, pooled_buffers
 from test_lethe_runtime import HOLE, Pool, runtime_for, step
 
 PER_LAYER = {"sparse_ratio": 1.5, "max_kv_ratio": 0.3}

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from policy_cases import Cache, ThreadRanks
-from sglang_ext.eviction import LetheRuntime
+from sglang_ext.policies.lethe.runtime import LetheRuntime
 from sglang_ext.policies import RankGroup, build_policy
 from sglang_ext.policies.runtime import EngineOps, StepPlan, StepRequest
 

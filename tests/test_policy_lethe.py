@@ -69,19 +69,19 @@ def test_threshold_follows_algorithm_1_and_never_refires_at_once():
     paper = Lethe(sparse_ratio=400.0)
     found = paper.shrink_layer(torch.arange(4), torch.tensor([1.0, 1e-5, 1e-5, 1e-5]))
     none = paper.shrink_layer(torch.arange(4), torch.ones(4))
-    assert policy.next_threshold(100, [none, none], retained=20, length=101) == 200  # doubled
-    assert policy.next_threshold(100, [found, none], retained=20, length=101) == 100  # max(L, bp + r)
+    assert policy.next_threshold(100, [none.salient_plus_recent, none.salient_plus_recent], retained=20, length=101) == 200  # doubled
+    assert policy.next_threshold(100, [found.salient_plus_recent, none.salient_plus_recent], retained=20, length=101) == 100  # max(L, bp + r)
     # what the round left (150) plus its recent window (45)
-    assert policy.next_threshold(100, [found], retained=150, length=300) == 195
+    assert policy.next_threshold(100, [found.salient_plus_recent], retained=150, length=300) == 195
 
 
 def test_threshold_under_a_kv_budget_stops_doubling_where_expected_kv_is():
     policy = Lethe(evict_threshold=1024, recent_ratio=0.3, max_kv_ratio=0.3)
     none = Lethe().shrink_layer(torch.arange(4), torch.ones(4))  # flat: no breakpoint
     # Algorithm 1 alone doubles 1024 to 2048, then 4096 to 8192
-    assert policy.next_threshold(1024, [none], retained=308, length=1025) == 1024
+    assert policy.next_threshold(1024, [none.salient_plus_recent], retained=308, length=1025) == 1024
     budget = math.ceil(policy.round_cap(8192) * 1.3)
-    assert policy.next_threshold(4096, [none], retained=2458, length=8192) == budget
+    assert policy.next_threshold(4096, [none.salient_plus_recent], retained=2458, length=8192) == budget
     assert budget == policy.expected_kv(8192) < 4096
 
 

@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from sglang_ext.cache_correction import CorrectionPlan
+from sglang_ext.policies.tidal.cache_correction import CorrectionPlan
 
 
 def correction_batch(decode_batch, plan: CorrectionPlan, req_to_token: torch.Tensor):

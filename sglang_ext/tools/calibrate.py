@@ -1,8 +1,8 @@
-"""``python -m sglang_ext.calibrate``: measure a model's decode attention and choose the layer lists
+"""``python -m sglang_ext.tools.calibrate``: measure a model's decode attention and choose the layer lists
 of ``delta`` and ``tidal`` for it, written where the policies look for them (policies/calibration).
 
 It decodes a few long natural-text prompts greedily under full attention
-(sglang_ext.attention_trace) and measures per layer:
+(sglang_ext.tools.attention_trace) and measures per layer:
 
 - **attention shift** (DELTA, Appendix D): at each decode step, each layer's attention
   probabilities of all query heads flattened into one vector a_l; shift(l) = 1 - cos(a_{l-1}, a_l),
@@ -14,7 +14,7 @@ It decodes a few long natural-text prompts greedily under full attention
   --budget-tokens), mean over sparse layers, steps and prompts.
 
 Choice by what the layers do to the model's output: the teacher-forced next-token agreement with
-full attention (sglang_ext.agreement) on other text than the measurements'
+full attention (sglang_ext.tools.agreement) on other text than the measurements'
 (``--agreement-first-text``), at a ``--agreement-budget-tokens`` budget. From full layers [0, 1]
 and the first selection at layer 2 (both papers), later selection layers are added one at a time,
 each the layer whose addition gives the lowest mean KL(full ‖ policy): DELTA to
@@ -25,7 +25,7 @@ passages DELTA's KL at 1,024 tokens was 20 % lower from layer 1, Tidal's higher:
 2026-11-26). On SmolLM2 the proxies above chose [2, 12, 29] and [2, 12], which the
 agreement benchmark measured far from full attention (RESULTS.md, agreement, 2026-11-25).
 
-    python -m sglang_ext.calibrate [--model-path P] [--prompts 2048,3072,4096] [--decode-steps 32]
+    python -m sglang_ext.tools.calibrate [--model-path P] [--prompts 2048,3072,4096] [--decode-steps 32]
         [--budget-tokens 256] [--num-delta-layers 3] [--agreement-prompts 4096,4096]
         [--agreement-budget-tokens 1024] [--out FILE.json] [--plot FILE.png]
 """
@@ -44,8 +44,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sglang_ext import agreement as ag
-from sglang_ext import attention_trace as at
+from sglang_ext.tools import agreement as ag
+from sglang_ext.tools import attention_trace as at
 from sglang_ext.policies import build_policy, policy_class
 from sglang_ext.policies.calibration import FORMAT, calibration_dir, model_fingerprint
 
@@ -227,7 +227,7 @@ def plot(data: dict, path: Path) -> Path:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m sglang_ext.calibrate", description=__doc__.split("\n\n")[0]
+        prog="python -m sglang_ext.tools.calibrate", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument(
         "--model-path", type=Path, default=None, help="HF folder (default: SmolLM2)"
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> Path:
             "agreement_prompts": agreement_source,
             "decode_steps": args.decode_steps,
             "date": now.isoformat().replace("+00:00", "Z"),
-            "command": shlex.join(["python", "-m", "sglang_ext.calibrate", *argv]),
+            "command": shlex.join(["python", "-m", "sglang_ext.tools.calibrate", *argv]),
         },
     }
     out = args.out or calibration_dir() / f"{model_slug(model_path)}.json"

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from sglang_ext.policies.runtime import StepRequest
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sglang_ext.policies.runtime import StepRequest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,3 +56,13 @@ def plan_correction(requests: list[StepRequest], interval: int) -> CorrectionPla
         token_ids.append(list(r.output_ids[start - r.prompt_len : end - r.prompt_len]))
         r.state.corrected_until = end
     return CorrectionPlan(pool_indices, starts, token_ids) if pool_indices else None
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheCorrection:
+    """Every ``interval`` decode steps of a request (a policy's ``cache_correction``)."""
+
+    interval: int
+
+    def __call__(self, requests: list[StepRequest]) -> CorrectionPlan | None:
+        return plan_correction(requests, self.interval)

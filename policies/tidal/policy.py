@@ -10,7 +10,7 @@ to those tokens. A token's ``score`` is the max over query heads of its attentio
 KL to full attention is lower at every budget, RESULTS.md) or of its scaled q·k (``"qk"``, the
 paper's).
 With ``correction_interval`` T > 0, every T decode steps the tokens decoded since the last
-correction get their K/V re-filled by a full-attention prefill (sglang_ext.cache_correction).
+correction get their K/V re-filled by a full-attention prefill (sglang_ext.policies.tidal.cache_correction).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from sglang_ext.kernels.page_select import unit_chooser
 from sglang_ext.policies.base import DecodeContext, PolicyConfigError
 from sglang_ext.policies.registry import register_policy
+from sglang_ext.policies.tidal.cache_correction import CacheCorrection
 from sglang_ext.policies.selection import (
     Selection,
     SelectionPolicy,
@@ -63,8 +64,8 @@ class TidalPolicy(SelectionPolicy):
                 "correction_interval", f"must be >= 0 (0: off), got {self.correction_interval}"
             )
 
-    def cache_correction_interval(self) -> int:
-        return self.correction_interval
+    def cache_correction(self) -> CacheCorrection | None:
+        return CacheCorrection(self.correction_interval) if self.correction_interval > 0 else None
 
     def paper_layers(self, num_layers: int) -> tuple[list[int], list[int]]:
         reselect = scaled_layers([PAPER_RESELECTION_LAYER], PAPER_DEPTH, num_layers)

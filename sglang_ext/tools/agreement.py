@@ -11,7 +11,7 @@ the policy's own ``Selection.choose`` from the engine's token scores; a sparse l
 latest choice; under Lethe each layer reads what the engine's own Lethe runtime retains after a
 decode from the prompt's end to the position (``LetheReads``). The context is the reference text
 (teacher forcing); the step is the policy's. benchmarks/agreement.py reports it;
-sglang_ext.calibrate chooses layer lists by it.
+sglang_ext.tools.calibrate chooses layer lists by it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from sglang_ext import attention_trace as at
+from sglang_ext.tools import attention_trace as at
 from sglang_ext.policies.selection import LayerRole
 
 ATTENTION = "sglang_ext_agreement"
@@ -103,7 +103,7 @@ class PerKVHeadSelectionReads(SelectionReads):
 
 class LetheReads(FullReads):
     """A Lethe step: each layer reads the tokens it retains, as the engine's own Lethe runtime
-    (``sglang_ext.eviction.LetheRuntime``, its CPU path) keeps them over a decode of the passage
+    (``sglang_ext.policies.lethe.runtime.LetheRuntime``, its CPU path) keeps them over a decode of the passage
     from ``prompt_len`` on: the prompt's last queries seed the scores, every step appends its token
     and adds its attention (RASR), and rounds run whenever the runtime's plan says. Teacher
     forcing: every step's query is the full prefill's (the measured step alone is the policy's

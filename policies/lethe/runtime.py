@@ -6,7 +6,7 @@ prefill resets a row to every position it holds; each decode step appends the ne
 layer's list (once per step, ``prepare_decode``); a layer's decode attention reads only its list
 (``kernels.rasr``). Without per-layer lists (the default) every layer's list is the same, so on
 CUDA the step gathers its KV slots once and every layer attends over that table. With per-layer
-lists, memory is per layer (``sglang_ext.layer_memory``): every entry also holds its K/V row
+lists, memory is per layer (``sglang_ext.policies.lethe.layer_memory``): every entry also holds its K/V row
 (``layer_rows``, a global row of the pool's one buffer), rounds pack a request's kept entries into
 as few slots as hold them, and a layer attends over its entries' rows.
 
@@ -43,6 +43,7 @@ import torch
 
 from sglang_ext.kernels import rasr
 from sglang_ext.kernels.sparse_decode import TableRead
+from sglang_ext.policies.lethe.layer_memory import pack_rows, pooled_buffers
 from sglang_ext.policies.runtime import (
     EngineOps,
     PolicyRuntime,
@@ -133,8 +134,6 @@ class LetheRuntime(PolicyRuntime):
                 self._own_table(ctx, cap)
         self.layer_rows = None  # per-layer memory: each entry's global K/V row
         if policy.pools_layer_rows():
-            from sglang_ext.layer_memory import pooled_buffers
-
             self.pooled = pooled_buffers(ctx.kv_pool, ctx.num_layers)
             self.layer_rows = torch.zeros(shape, dtype=torch.int32, device=ctx.device)
             self._row_offsets = self._layers.to(torch.int32) * self.pooled.slots
@@ -419,18 +418,13 @@ class LetheRuntime(PolicyRuntime):
     ) -> None:
         """A request's host state after its round: what it freed and keeps, its next threshold
         (from each layer's breakpoint, where it found one)."""
-        from sglang_ext.policies.lethe import LayerShrink
-
         state, lethe = request.state, request.state.policy_state
-        shrinks = [
-            LayerShrink(None, s if f else None)
-            for f, s in zip(found, salient_plus_recent, strict=True)
-        ]
+        breakpoints = [s if f else None for f, s in zip(found, salient_plus_recent, strict=True)]
         state.evicted += freed
         state.rounds += 1
         lethe.retained_per_layer, lethe.round_length = retained_per_layer, length
         retained = length - state.evicted
-        lethe.threshold = state.policy.next_threshold(lethe.threshold, shrinks, retained, length)
+        lethe.threshold = state.policy.next_threshold(lethe.threshold, breakpoints, retained, length)
         self.stats.rounds += 1
         self.stats.freed_slots += freed
 
@@ -455,8 +449,6 @@ class LetheRuntime(PolicyRuntime):
     def _pack_layers(self, batch: _RoundBatch, positions, scores, keep) -> _RoundOutcome:
         """Per-layer memory: each layer's list capped (``cap_layers``), the kept entries of all
         layers packed into as few of each request's slots as hold them (``pack_rows``)."""
-        from sglang_ext.layer_memory import pack_rows
-
         own, ranks = batch.policy, self.ctx.ranks
         layers = keep.shape[1]
         row_lengths = [length for length in batch.lengths for _ in range(layers)]

@@ -20,13 +20,13 @@ on. Rounds repeat as the request grows; the threshold follows Algorithm 1.
 
 Memory: a round caps the request's KV at ``max_kv_ratio`` of its tokens; 1.0 turns the cap off
 and leaves the paper's rule alone. Without per-layer lists the cap cuts the one retained set
-(``cap_union``). With them, memory is per layer (``sglang_ext.layer_memory``): each layer's list
+(``cap_union``). With them, memory is per layer (``sglang_ext.policies.lethe.layer_memory``): each layer's list
 is cut to the cap (``cap_layers``), and a request holds ``ceil(sum of its layers' entries /
 layers)`` slots, its kept entries packed into the rows of those slots, whatever the layers keep
 in common (``pack_layers``; False frees a slot only once no layer keeps its token, the union
 capped as without per-layer lists). Layers whose attention is flat find no breakpoint and keep
 everything (on SmolLM2 the first layers do), so the cap still bounds them. The engine side lives
-in ``sglang_ext.eviction``.
+in ``sglang_ext.policies.lethe.runtime``.
 
 Breakpoint: the paper's text reads "first cut where v_top[0] / v_top[cut] <= tau", which holds at
 the first cut for any but the steepest scores and would make a larger tau prune *more*; its
@@ -43,6 +43,7 @@ import math
 
 import torch
 from sglang_ext.policies.base import DecodeContext, KVPolicy, PolicyConfigError
+from sglang_ext.policies.lethe.runtime import LetheRuntime
 from sglang_ext.policies.registry import register_policy
 
 
@@ -79,7 +80,7 @@ class Lethe(KVPolicy):
     decay: float = 0.95  # gamma of RASR
     max_kv_ratio: float = 0.3  # a round leaves at most this fraction of a request's tokens' KV
     # with per-layer lists: memory is the sum of the layers' lists, packed into shared slots
-    # (sglang_ext.layer_memory); False: a slot is freed once no layer keeps its token (the union)
+    # (sglang_ext.policies.lethe.layer_memory); False: a slot is freed once no layer keeps its token (the union)
     pack_layers: bool = True
     observation_window: int = 32  # the last prompt tokens whose attention seeds the scores
     observation_pool: int = 9  # odd: a seeded score is the best of the token and its neighbours
@@ -119,9 +120,7 @@ class Lethe(KVPolicy):
     def pools_layer_rows(self) -> bool:
         return self.per_layer_lists()
 
-    def runtime(self, ctx: DecodeContext):
-        from sglang_ext.eviction import LetheRuntime
-
+    def runtime(self, ctx: DecodeContext) -> LetheRuntime:
         return LetheRuntime(self, ctx)
 
     def budget(self) -> str:
@@ -134,7 +133,7 @@ class Lethe(KVPolicy):
     def server_defaults(self) -> dict[str, str]:
         # The state is per request slot x context position; SGLang's default request pool
         # (thousands of slots on a large KV pool) would make it gigabytes.
-        # Prefill seeds the scores with a host-side loop over requests (sglang_ext.eviction).
+        # Prefill seeds the scores with a host-side loop over requests (sglang_ext.policies.lethe.runtime).
         return {
             "--max-running-requests": str(DEFAULT_MAX_RUNNING_REQUESTS),
             "--disable-prefill-cuda-graph": None,
@@ -288,14 +287,15 @@ class Lethe(KVPolicy):
         return keep
 
     def next_threshold(
-        self, threshold: int, shrinks: list[LayerShrink], retained: int, length: int
+        self, threshold: int, breakpoints: list[int | None], retained: int, length: int
     ) -> int:
-        """L_evict after a round at ``length`` positions (Algorithm 1: max with breakpoint + r,
+        """L_evict after a round at ``length`` positions, given each layer's breakpoint + recent
+        window (``LayerShrink.salient_plus_recent``; None: none found) (Algorithm 1: max with breakpoint + r,
         doubled when no layer found a breakpoint). Under a KV budget (max_kv_ratio < 1) it is
         capped where ``expected_kv`` says the request may grow to, so that the scheduler's count
         holds: flat attention (no breakpoint) would otherwise double it round after round. Never
         below what the round left plus a recent window, so that rounds do not fire at once."""
-        found = [s.salient_plus_recent for s in shrinks if s.salient_plus_recent is not None]
+        found = [b for b in breakpoints if b is not None]
         threshold = max([threshold, *found]) if found else 2 * threshold
         if self.max_kv_ratio < 1:
             threshold = min(threshold, self._budget_trigger(length))
