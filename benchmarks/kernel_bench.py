@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import torch
 from sglang_ext.policies import DecodeContext, build_policy
+from sglang_ext.policies.context import DecodeInputs
 from sglang_ext.policies.selection import LayerRole
 
 from benchmarks import harness, plot
@@ -198,7 +199,8 @@ def policy_decoders(name: str, inputs: Inputs, budget_tokens: int, num_layers: i
         num_q_heads=inputs.q.shape[1], head_dim=inputs.q.shape[2],
     )  # fmt: skip
     policy = build_policy(name, params).for_model(ctx)
-    fns = policy.decode_fns(ctx)
+    program = policy.decode_program(ctx, DecodeInputs())
+    fns = program.layers
     roles = policy.layer_roles(num_layers)
     _, q_heads, dim = inputs.q.shape
     layer = SimpleNamespace(
@@ -207,7 +209,7 @@ def policy_decoders(name: str, inputs: Inputs, budget_tokens: int, num_layers: i
     batch = SimpleNamespace(
         req_pool_indices=inputs.rows, seq_lens=inputs.seq_lens, seq_lens_cpu=None
     )
-    for setup in ctx.decode_step_setups:  # once: the batch stays the same
+    for setup in program.step_setups:  # once: the batch stays the same
         setup(batch)
     select_fn = fns[roles.index(LayerRole.SELECT)]
     sparse_fn = fns[roles.index(LayerRole.SPARSE)]

@@ -84,7 +84,7 @@ class Requests:
         ctx = DecodeContext(
             num_layers=layers, base_decode=None, write_kv=None, kv_pool=kv_pool,
             req_to_token=self.req_to_token, max_batch_size=count, device=device,
-            num_q_heads=cfg["num_attention_heads"], head_dim=dim, hole_slot=HOLE,
+            num_q_heads=cfg["num_attention_heads"], head_dim=dim, padding_slot=HOLE,
         )  # fmt: skip
         self.policy = build_policy("lethe", params)
         self.runtime = LetheRuntime(self.policy, ctx)

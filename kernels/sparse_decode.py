@@ -160,15 +160,12 @@ class TableRead:
 class TableShare:
     """One reader's table in a SharedSlotTables: ``take(width)`` gives its ``slots`` [max batch,
     width] and ``count``, indexed by batch entry like a SlotTable's, which hold the shared storage
-    once the owner has allocated it (``SharedSlotTables.allocate``: before any decode); ``reads``
-    (layer -> TableRead) lists where it reads only that table, for the owner to read several
-    readers' in one call there."""
+    once the owner has allocated it (``SharedSlotTables.allocate``: before any decode)."""
 
     def __init__(self, device):
         self.width = 0  # none taken
         self.slots = torch.empty(0, dtype=torch.int32, device=device)
         self.count = torch.empty(0, dtype=torch.int32, device=device)
-        self.reads: dict[int, TableRead] = {}
 
     def take(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.width = width

@@ -15,7 +15,14 @@ import dataclasses
 from typing import Any
 
 import torch
-from sglang_ext.policies.base import DecodeContext, DecodeFn, KVPolicy, PolicyConfigError
+from sglang_ext.policies.base import (
+    DecodeContext,
+    DecodeFn,
+    DecodeInputs,
+    DecodeProgram,
+    KVPolicy,
+    PolicyConfigError,
+)
 from sglang_ext.policies.registry import register_policy
 
 
@@ -53,8 +60,8 @@ class Art(KVPolicy):
                 "tile_tokens", f"must be one of {list(TILE_TOKENS)}, got {self.tile_tokens}"
             )
 
-    def decode_fns(self, ctx: DecodeContext) -> list[DecodeFn]:
-        return [self.full_decode(ctx, per_request=True)] * ctx.num_layers
+    def decode_program(self, ctx: DecodeContext, inputs: DecodeInputs) -> DecodeProgram:
+        return DecodeProgram([self.full_decode(ctx, inputs, per_request=True)] * ctx.num_layers)
 
     def reads_tiles(self) -> bool:
         return True
@@ -83,12 +90,14 @@ class Art(KVPolicy):
         return {"workspace": workspace, "tiles_read": tiles_read}
 
     def read(
-        self, q, ctx: DecodeContext, layer, forward_batch, per_request=False, scratch=None, **order
-    ):
+        self, q, ctx: DecodeContext, layer, forward_batch, scratch=None, tile_counts=None,
+        request_values=None, **order,
+    ):  # fmt: skip
         """ART's decode attention of q [batch, heads, dim] over the layer's cache (all of it
         recent-first, or ``order``/``num_order``/``order_span``/``always_read``); with
-        ``per_request``, each request's own (tau, phi, patience) from ctx.request_values; with
-        ``scratch`` (``Art.scratch``), the kernel's buffers owned up front."""
+        ``request_values``, each request's own (tau, phi, patience) from its row; with
+        ``scratch`` (``Art.scratch``), the kernel's buffers owned up front; the tiles it reads
+        counted into ``tile_counts``."""
         from sglang_ext.kernels import art_decode as art
 
         attend = art.art_decode if q.is_cuda else art.art_decode_ref
@@ -98,19 +107,24 @@ class Art(KVPolicy):
             q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
             ctx.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
             layer.scaling, **self.kernel_params(), **order, **(scratch or {}),
-            tile_counts=ctx.art_tile_counts,
-            request_params=ctx.request_values if per_request else None,
+            tile_counts=tile_counts, request_params=request_values,
         )  # fmt: skip
         return out
 
-    def full_decode(self, ctx: DecodeContext, per_request: bool = False) -> DecodeFn:
+    def full_decode(
+        self, ctx: DecodeContext, inputs: DecodeInputs, per_request: bool = False
+    ) -> DecodeFn:
+        """Full attention read through ART; ``per_request``: each request's own parameters."""
         scratch = self.scratch(ctx)
+        values = inputs.request_values if per_request else None
 
         def decode(q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
             if save_kv_cache and k is not None and v is not None:
                 ctx.write_kv(layer, forward_batch, k, v)
             q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-            out = self.read(q, ctx, layer, forward_batch, per_request, scratch)
+            out = self.read(
+                q, ctx, layer, forward_batch, scratch, inputs.tile_counts, values
+            )
             return out.view(q.shape[0], -1)
 
         return decode
@@ -142,9 +156,9 @@ class ArtOver(KVPolicy):
     def for_model(self, ctx: DecodeContext) -> ArtOver:
         return dataclasses.replace(self, base=self.base.for_model(ctx))
 
-    def decode_fns(self, ctx: DecodeContext) -> list[DecodeFn]:
-        reading = dataclasses.replace(ctx, base_decode=self.art.full_decode(ctx), art=self.art)
-        return self.base.decode_fns(reading)
+    def decode_program(self, ctx: DecodeContext, inputs: DecodeInputs) -> DecodeProgram:
+        reading = dataclasses.replace(ctx, base_decode=self.art.full_decode(ctx, inputs))
+        return self.base.decode_program(reading, dataclasses.replace(inputs, art=self.art))
 
     def server_defaults(self) -> dict[str, str | None]:
         return self.base.server_defaults()

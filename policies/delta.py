@@ -21,6 +21,7 @@ from sglang_ext.policies.selection import (
     LayerRole,
     Selection,
     SelectionPolicy,
+    RaggedScoring,
     ragged_scoring,
     scaled_layers,
 )
@@ -55,14 +56,14 @@ class DeltaPolicy(SelectionPolicy):
         pages = max(1, tokens // PAGE_SIZE)
         return {"budget_pages": pages, "recent_pages": max(1, pages // 8)}
 
-    def selection(self, ctx: DecodeContext) -> Selection:
+    def selection(self, ctx: DecodeContext, importance_ordered: bool = False) -> Selection:
         if torch.device(ctx.device).type == "cuda":
-            attend_and_score, ragged = ragged_scoring(ctx, use_probs=True, page_size=PAGE_SIZE)
+            scoring = ragged_scoring(ctx, use_probs=True, page_size=PAGE_SIZE)
         else:  # the torch reference (the Triton interpreter is far too slow to serve with)
-            attend_and_score, ragged = _reference_attention, {}
+            scoring = RaggedScoring(_reference_attention, {}, (), ())
         choose_pages = unit_chooser(
-            ctx.device, self.budget_pages, self.recent_pages, PAGE_SIZE, ctx.art is not None,
-            num_sink=self.sink_units(), **ragged,
+            ctx.device, self.budget_pages, self.recent_pages, PAGE_SIZE, importance_ordered,
+            num_sink=self.sink_units(), **scoring.chooser_args,
         )  # fmt: skip
 
         def choose(token_scores, page_scores, seq_lens, row_budget=None, out=None):
@@ -71,8 +72,9 @@ class DeltaPolicy(SelectionPolicy):
             return choose_pages(page_scores, seq_lens, row_budget, out)
 
         return Selection(
-            "pages", PAGE_SIZE, self.budget_pages, attend_and_score, choose, self.recent_pages
-        )
+            "pages", PAGE_SIZE, self.budget_pages, scoring.attend_and_score, choose,
+            self.recent_pages, scoring.step_setups, scoring.reservations,
+        )  # fmt: skip
 
 
 def page_sums(token_scores: torch.Tensor) -> torch.Tensor:

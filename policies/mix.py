@@ -26,7 +26,13 @@ from typing import Any
 
 import torch
 from sglang_ext.kernels.sparse_decode import SharedSlotTables
-from sglang_ext.policies.base import DecodeContext, DecodeFn, KVPolicy, PolicyConfigError
+from sglang_ext.policies.base import (
+    DecodeContext,
+    DecodeFn,
+    DecodeInputs,
+    KVPolicy,
+    PolicyConfigError,
+)
 from sglang_ext.policies.runtime import (
     EngineOps,
     PolicyRuntime,
@@ -64,7 +70,9 @@ class PolicyMix(KVPolicy):
     def for_model(self, ctx: DecodeContext) -> PolicyMix:
         return dataclasses.replace(self, members=tuple(m.for_model(ctx) for m in self.members))
 
-    def runtime(self, ctx: DecodeContext) -> MixRuntime:
+    def runtime(self, ctx: DecodeContext, shared: DecodeInputs | None = None) -> MixRuntime:
+        if shared is not None:
+            raise PolicyConfigError("policy", "a policy mix is not a member of another")
         return MixRuntime(self, ctx)
 
     def evicts(self) -> bool:
@@ -152,10 +160,13 @@ class MixRuntime(PolicyRuntime):
         self.tables = None if heads is None else SharedSlotTables(
             len(policy.members), ctx.max_batch_size, ctx.device, heads
         )  # fmt: skip
-        self.shares = [None] * len(policy.members) if heads is None else self.tables.shares
+        shares = [None] * len(policy.members) if heads is None else self.tables.shares
+        # one counter of ART's tiles for all the members that read through it (metrics)
+        tiles = torch.zeros(2, dtype=torch.int64, device=ctx.device)
+        self.tile_counts = tiles if policy.reads_tiles() else None
         self.members = [
-            m.runtime(self._member_context(m, ctx, share))
-            for m, share in zip(policy.members, self.shares, strict=True)
+            m.runtime(ctx, DecodeInputs(tile_counts=self.tile_counts, table_share=share))
+            for m, share in zip(policy.members, shares, strict=True)
         ]
         if self.tables is not None:
             self.tables.allocate()
@@ -173,7 +184,6 @@ class MixRuntime(PolicyRuntime):
         }
         self._views: list[MemberView] = []
         self._prefilling: list[int] = []  # members whose prefill plan runs now
-        self.tile_counts = ctx.art_tile_counts if policy.reads_tiles() else None
         self.graphable = True
         unions: list[tuple[int, ...]] = []
         self.layers = [self._layer_groups(layer, unions) for layer in range(ctx.num_layers)]
@@ -185,26 +195,13 @@ class MixRuntime(PolicyRuntime):
         self.decode_fns = [self._layer_decode(groups) for groups in self.layers]
         self._reads_tables = any(g.tables for groups in self.layers for g in groups)
 
-    @staticmethod
-    def _member_context(member: KVPolicy, ctx: DecodeContext, share) -> DecodeContext:
-        defaults = member.request_values(member)
-        rows = ctx.req_to_token.shape[0]
-        table = (
-            torch.tensor([defaults] * rows, dtype=torch.float32, device=ctx.device)
-            if defaults else None
-        )  # fmt: skip
-        return dataclasses.replace(
-            ctx, request_values=table, decode_step_setups=[], step_reservations=[],
-            slot_tables=share,
-        )  # fmt: skip
-
     def _layer_groups(self, layer: int, unions: list) -> list[_LayerGroup]:
         groups = []
         by_fn: dict[int, list[int]] = {}
         fns = [member.decode_fns[layer] for member in self.members]
         readers = self._table_readers(layer)
         if readers:
-            reads = [self.shares[i].reads[layer] for i in readers]
+            reads = [self.members[i].table_reads[layer] for i in readers]
             decode = self._tables_decode(reads)
             groups.append(_LayerGroup(decode, readers, engine_full=False, mask=-1, tables=True))
         for i, fn in enumerate(fns):
@@ -223,8 +220,8 @@ class MixRuntime(PolicyRuntime):
     def _table_readers(self, layer: int) -> tuple[int, ...]:
         """The members that read only their slot tables at ``layer``, where one call reads them
         all: two or more, at most one of them keeping logits (the call stores one kind)."""
-        readers = tuple(i for i, s in enumerate(self.shares) if s is not None and layer in s.reads)
-        scoring = [i for i in readers if self.shares[i].reads[layer].logits is not None]
+        readers = tuple(i for i, m in enumerate(self.members) if layer in m.table_reads)
+        scoring = [i for i in readers if self.members[i].table_reads[layer].logits is not None]
         return readers if len(readers) >= 2 and len(scoring) <= 1 else ()
 
     def _tables_decode(self, reads) -> DecodeFn:

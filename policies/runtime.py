@@ -27,8 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sglang_ext.policies.context import DecodeContext, DecodeFn, DecodeInputs, DecodeProgram
+
 if TYPE_CHECKING:
-    from sglang_ext.policies.base import DecodeContext, DecodeFn, KVPolicy
+    from sglang_ext.policies.base import KVPolicy
 
 FULL = "full"  # the name a request that opted out of the served policy decodes under
 
@@ -92,7 +94,7 @@ class StepPlan:
     requests: list[StepRequest]
     rounds: list[StepRequest] = dataclasses.field(default_factory=list)  # due for eviction
     correction: Any = None  # sglang_ext.policies.tidal.cache_correction.CorrectionPlan
-    # prefill: (request slots, their rows of ctx.request_values), on the host
+    # prefill: (request slots, their rows of the runtime's request_values), on the host
     request_values: tuple[torch.Tensor, torch.Tensor] | None = None
     batch_tokens: int = 0  # decode: the tokens its requests hold (a shared prefix per request)
 
@@ -111,13 +113,39 @@ class PolicyRuntime:
     """The default lifecycle: stateless decode functions, optional cache correction, per-request
     values written at prefill. Lethe's runtime (``sglang_ext.policies.lethe.runtime``) adds eviction."""
 
-    def __init__(self, policy: KVPolicy, ctx: DecodeContext):
+    def __init__(self, policy: KVPolicy, ctx: DecodeContext, shared: DecodeInputs | None = None):
         self.policy, self.ctx = policy, ctx
-        self.decode_fns: list[DecodeFn] = policy.decode_fns(ctx)
+        self.inputs = self.decode_inputs(policy, ctx, shared or DecodeInputs())
+        self.request_values = self.inputs.request_values
+        self.tile_counts = self.inputs.tile_counts
+        program = self.build_program()
+        self.decode_fns: list[DecodeFn] = program.layers
+        self.step_setups, self.reservations = program.step_setups, program.reservations
+        self.table_reads = program.table_reads
         self.stats = RuntimeStats()
         self.plan_correction = policy.cache_correction()
-        self.tile_counts = ctx.art_tile_counts if policy.reads_tiles() else None
         self.graphable = True  # whether the current decode step may replay a CUDA graph
+
+    @staticmethod
+    def decode_inputs(policy: KVPolicy, ctx: DecodeContext, shared: DecodeInputs) -> DecodeInputs:
+        """What this runtime owns for its decode: every request slot's row of per-request values
+        (the server's until a request's prefill writes its own), ART's tile counters where
+        ``shared`` (what a policy mix shares among its members) has none."""
+        defaults = policy.request_values(policy)
+        rows = ctx.req_to_token.shape[0]
+        table = (
+            torch.tensor([defaults] * rows, dtype=torch.float32, device=ctx.device)
+            if defaults else None
+        )  # fmt: skip
+        counts = shared.tile_counts
+        if counts is None and policy.reads_tiles():
+            counts = torch.zeros(2, dtype=torch.int64, device=ctx.device)
+        return dataclasses.replace(shared, request_values=table, tile_counts=counts)
+
+    def build_program(self) -> DecodeProgram:
+        """The policy's decode program (``KVPolicy.decode_program``); a runtime that decodes
+        itself builds its own."""
+        return self.policy.decode_program(self.ctx, self.inputs)
 
     # requests ---------------------------------------------------------------------------------
     def new_request(self, own: KVPolicy | None, previous: RequestState | None) -> RequestState:
@@ -141,10 +169,10 @@ class PolicyRuntime:
     def run_plan(self, plan: StepPlan, forward_batch, engine: EngineOps) -> None:
         """Before the batch's forward, outside any CUDA graph."""
         if plan.decode:  # every reservation made, whichever says the graph cannot take the step
-            fits = [reserve(plan.batch_tokens) for reserve in self.ctx.step_reservations]
+            fits = [reserve(plan.batch_tokens) for reserve in self.reservations]
             self.graphable = all(fits)
         if plan.request_values is not None:  # a prefill: its requests' own decode values
-            table, (rows, values) = self.ctx.request_values, plan.request_values
+            table, (rows, values) = self.request_values, plan.request_values
             table[rows.to(table.device)] = values.to(table.device)
         if plan.correction is not None:
             engine.rerun_extend(plan.correction, forward_batch)
@@ -159,7 +187,7 @@ class PolicyRuntime:
     def prepare_decode(self, forward_batch) -> None:
         """Device work once per decode batch, before its layers: static in shape and free of
         host syncs, as CUDA graphs record it (on the graph's padded batch)."""
-        for setup in self.ctx.decode_step_setups:
+        for setup in self.step_setups:
             setup(forward_batch)
 
     def after_extend(self, q, layer, forward_batch) -> None:
@@ -186,8 +214,8 @@ class PolicyRuntime:
         return None
 
     def _request_values(self, requests: list[StepRequest]):
-        if self.ctx.request_values is None or not requests:
+        if self.request_values is None or not requests:
             return None
         values = [self.policy.request_values(r.state.policy) for r in requests]
         rows = torch.tensor([r.row for r in requests], dtype=torch.int64)
-        return rows, torch.tensor(values, dtype=self.ctx.request_values.dtype)
+        return rows, torch.tensor(values, dtype=self.request_values.dtype)

@@ -17,7 +17,14 @@ from typing import ClassVar
 
 import torch
 from sglang_ext.kernels.sparse_decode import SlotTable, TableRead, sparse_decode_attention_ref
-from sglang_ext.policies.base import DecodeContext, DecodeFn, KVPolicy, PolicyConfigError
+from sglang_ext.kernels import selection_attention as sa
+from sglang_ext.policies.base import (
+    DecodeContext,
+    DecodeInputs,
+    DecodeProgram,
+    KVPolicy,
+    PolicyConfigError,
+)
 from sglang_ext.policies.calibration import find_calibration
 
 logger = logging.getLogger(__name__)
@@ -44,6 +51,9 @@ class Selection:
     attend_and_score: Callable[..., tuple]
     choose: Callable[..., tuple]
     num_recent: int = 0  # under ART the selection is importance-ordered, these first
+    # what its scoring needs run once per decode step (DecodeProgram's)
+    step_setups: tuple[Callable, ...] = ()
+    reservations: tuple[Callable[[int], bool], ...] = ()
 
 
 class SelectionPolicy(KVPolicy):
@@ -63,7 +73,9 @@ class SelectionPolicy(KVPolicy):
         """(full layers, selection layers) from the paper, for a model without calibration."""
         raise NotImplementedError
 
-    def selection(self, ctx: DecodeContext) -> Selection:
+    def selection(self, ctx: DecodeContext, importance_ordered: bool = False) -> Selection:
+        """Its selection rule; ``importance_ordered``: the selection lists its units by score
+        (ART reads it so), not by position."""
         raise NotImplementedError
 
     @classmethod
@@ -177,20 +189,25 @@ class SelectionPolicy(KVPolicy):
         budget = getattr(self, self.budget_field) * self.budget_unit_tokens
         return (seq_len * (num_layers - sparse) + min(seq_len, budget) * sparse) / num_layers
 
-    def decode_fns(self, ctx: DecodeContext) -> list[DecodeFn]:
+    def decode_program(self, ctx: DecodeContext, inputs: DecodeInputs) -> DecodeProgram:
         policy = self.for_model(ctx)
-        decoder = SelectionDecoder(policy.name, policy.selection(ctx), ctx)
+        selection = policy.selection(ctx, importance_ordered=inputs.art is not None)
+        decoder = SelectionDecoder(policy.name, selection, ctx, inputs)
         by_role = {
             LayerRole.FULL: ctx.base_decode,
             LayerRole.SELECT: decoder.select_decode,
             LayerRole.SPARSE: decoder.sparse_decode,
         }
         roles = policy.layer_roles(ctx.num_layers)
+        table_reads = {}
         if decoder.reads_shared_table():  # a sparse layer is only attention over the table
-            ctx.slot_tables.reads.update(
-                {layer: TableRead() for layer, role in enumerate(roles) if role is LayerRole.SPARSE}
-            )
-        return [by_role[role] for role in roles]
+            table_reads = {
+                layer: TableRead() for layer, role in enumerate(roles) if role is LayerRole.SPARSE
+            }
+        return DecodeProgram(
+            [by_role[role] for role in roles], step_setups=decoder.step_setups,
+            reservations=selection.reservations, table_reads=table_reads,
+        )  # fmt: skip
 
     def _error(self, field: str, message: str):
         raise PolicyConfigError(f"{self.name}.{field}", message)
@@ -207,8 +224,12 @@ class SelectionDecoder:
     their first rows. Decode reads nothing back to the host (but for one log line per server), so
     a CUDA graph can capture it."""
 
-    def __init__(self, policy_name: str, selection: Selection, ctx: DecodeContext):
+    def __init__(
+        self, policy_name: str, selection: Selection, ctx: DecodeContext, inputs: DecodeInputs
+    ):
         self.policy_name, self.rule, self.ctx = policy_name, selection, ctx
+        self.art, self.request_values = inputs.art, inputs.request_values
+        self.tile_counts = inputs.tile_counts
         self.selected = torch.zeros(
             ctx.max_batch_size, selection.budget, dtype=torch.int32, device=ctx.device
         )
@@ -216,17 +237,20 @@ class SelectionDecoder:
         self.row_budget = None  # each request's own budget, gathered once per step
         # on CUDA (without ART, which reads the selection in its order) each selection layer
         # gathers its selection's slots once, for the sparse layers after it
-        self._table = None if ctx.art is not None else _slot_table(ctx, selection)
-        self._art_scratch = ctx.art.scratch(ctx) if ctx.art is not None else None
-        if ctx.request_values is not None:
+        reads_art = self.art is not None
+        self._table = None if reads_art else _slot_table(ctx, selection, inputs.table_share)
+        self._art_scratch = self.art.scratch(ctx) if reads_art else None
+        self.step_setups = selection.step_setups
+        if self.request_values is not None:
             self.row_budget = torch.zeros(ctx.max_batch_size, device=ctx.device)
-            ctx.decode_step_setups.append(self._gather_row_budgets)
+            self.step_setups = (*self.step_setups, self._gather_row_budgets)
+        self._shares_table = inputs.table_share is not None
         self._first_trim_unlogged = True
         if ctx.ranks is not None:
             logger.info("sglang_ext: %s selection scores are combined across ranks", policy_name)
 
     def reads_shared_table(self) -> bool:
-        return self._table is not None and self.ctx.slot_tables is not None
+        return self._table is not None and self._shares_table
 
     def select_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         q, cache = self._begin(q, k, v, layer, forward_batch, save_kv_cache)
@@ -250,15 +274,16 @@ class SelectionDecoder:
 
     def _gather_row_budgets(self, forward_batch) -> None:
         rows = forward_batch.req_pool_indices
-        budgets = self.ctx.request_values[:, 0]
+        budgets = self.request_values[:, 0]
         torch.index_select(budgets, 0, rows, out=self.row_budget[: rows.shape[0]])
 
     def sparse_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         q, cache = self._begin(q, k, v, layer, forward_batch, save_kv_cache)
         batch = q.shape[0]
-        if self.ctx.art is not None:  # the selection is importance-ordered: ART reads it so
-            out = self.ctx.art.read(
+        if self.art is not None:  # the selection is importance-ordered: ART reads it so
+            out = self.art.read(
                 q, self.ctx, layer, forward_batch, scratch=self._art_scratch,
+                tile_counts=self.tile_counts,
                 order=self.selected[:batch],
                 num_order=self.num_selected[:batch], order_span=self.rule.page_size,
                 always_read=self.rule.num_recent * self.rule.page_size,
@@ -310,30 +335,40 @@ class SelectionDecoder:
         )  # fmt: skip
 
 
-def ragged_scoring(ctx: DecodeContext, use_probs: bool, page_size: int) -> tuple[Callable, dict]:
+@dataclasses.dataclass(frozen=True)
+class RaggedScoring:
+    """A selection layer's attention on CUDA (``ragged_scoring``)."""
+
+    attend_and_score: Callable[..., tuple]
+    chooser_args: dict  # the ``unit_chooser`` arguments that read its score rows
+    step_setups: tuple[Callable, ...]  # the rows placed once per step
+    reservations: tuple[Callable[[int], bool], ...]
+
+
+def ragged_scoring(ctx: DecodeContext, use_probs: bool, page_size: int) -> RaggedScoring:
     """A selection layer's attention on CUDA: the kernel with its scratch and its score rows owned
     up front (``kernels.selection_attention.ScoreRows``: ragged, sized by the KV pool, shared by
     the policy's selection layers and placed once per step), and the ``unit_chooser`` arguments
     that read those rows (units of ``page_size`` tokens: pages are scored beside tokens)."""
-    from sglang_ext.kernels import selection_attention as sa
-
     rows = sa.ScoreRows(
         ctx.batch_tokens_bound(), ctx.max_batch_size, ctx.num_q_heads, ctx.device, page_size > 1
     )
-    ctx.decode_step_setups.append(lambda forward_batch: rows.place(forward_batch.seq_lens))
-    ctx.step_reservations.append(rows.reserve)
     attend_and_score = functools.partial(
         sa.ragged_selection_attention, rows=rows, use_probs=use_probs,
         workspace=ctx.split_workspace(ctx.req_to_token.shape[1]),
     )  # fmt: skip
     width = -(-ctx.req_to_token.shape[1] // page_size)
-    return attend_and_score, {"row_start": rows.row_start, "width": width}
+    return RaggedScoring(
+        attend_and_score, {"row_start": rows.row_start, "width": width},
+        step_setups=(lambda forward_batch: rows.place(forward_batch.seq_lens),),
+        reservations=(rows.reserve,),
+    )  # fmt: skip
 
 
-def _slot_table(ctx: DecodeContext, selection: Selection):
+def _slot_table(ctx: DecodeContext, selection: Selection, share):
     """The sparse layers' slot table with its scratch owned up front on CUDA; None elsewhere (the
     torch reference reads the selection)."""
     if torch.device(ctx.device).type != "cuda":
         return None
     entries = selection.budget * selection.page_size
-    return SlotTable(ctx.max_batch_size, entries, ctx.device, ctx.head_shape(), ctx.slot_tables)
+    return SlotTable(ctx.max_batch_size, entries, ctx.device, ctx.head_shape(), share)

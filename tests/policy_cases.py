@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from sglang_ext.kernels.split_kv_decode import attend_positions_ref
-from sglang_ext.policies import DecodeContext, RankGroup
+from sglang_ext.policies.context import DecodeContext, DecodeInputs, RankGroup
 
 DEVICES = [
     "cpu",
@@ -24,7 +24,7 @@ class Cache:
     def __init__(self, num_layers=4, seq_lens=(300, 40, 17), device="cpu"):
         gen = torch.Generator().manual_seed(0)
         self.num_layers, self.device = num_layers, torch.device(device)
-        self.contexts = []  # made by context(): their per-step setups run before each decode
+        self.step_setups = []  # decode_fns' programs': run before each decode
         # fp16 on CUDA, as served; fp32 on CPU, where the torch references compute
         dtype = torch.float16 if self.device.type == "cuda" else torch.float32
         self.tol = {"rtol": 1e-2, "atol": 5e-3} if dtype == torch.float16 else {}
@@ -69,15 +69,21 @@ class Cache:
             model_fingerprint=fingerprint or {"architecture": "Tiny", "layers": self.num_layers},
             ranks=ranks,
         )
-        self.contexts.append(ctx)
         return ctx
+
+    def decode_fns(self, policy, **context):
+        """``policy``'s decode functions on this cache (``context``: ``context``'s arguments),
+        its program's per-step setups run before each ``decode``."""
+        program = policy.decode_program(self.context(**context), DecodeInputs())
+        self.step_setups.extend(program.step_setups)
+        return program.layers
 
     def rank_view(self, rank: int, num_ranks: int) -> "Cache":
         """This cache as tensor-parallel rank ``rank`` sees it: its share of the KV heads and their
         query heads, the same slots and requests."""
         kv_per_rank, q_per_rank = self.KV_HEADS // num_ranks, self.Q_HEADS // num_ranks
         view = copy.copy(self)
-        view.contexts = []
+        view.step_setups = []
         view.req_to_token = self.req_to_token.clone()  # each rank's own (eviction writes holes)
         view.Q_HEADS, view.KV_HEADS = q_per_rank, kv_per_rank
         kv = slice(rank * kv_per_rank, (rank + 1) * kv_per_rank)
@@ -99,9 +105,8 @@ class Cache:
 
     def decode(self, decode_fn, layer_id):
         # the per-step setups the runtime runs before a step's layers (idempotent here)
-        for ctx in self.contexts:
-            for setup in ctx.decode_step_setups:
-                setup(self.batch)
+        for setup in self.step_setups:
+            setup(self.batch)
         return decode_fn(self.q, self.new_k, self.new_v, self.layer(layer_id), self.batch, True)
 
     def full_attention(self, layer_id):

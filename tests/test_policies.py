@@ -2,6 +2,7 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
+import torch
 from sglang_ext.policies import (
     DecodeContext,
     KVPolicy,
@@ -11,6 +12,7 @@ from sglang_ext.policies import (
     policy_names,
     registry,
 )
+from sglang_ext.policies.context import DecodeInputs, DecodeProgram
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +102,8 @@ def test_default_decode_dispatch_is_the_engine_decode_for_every_layer():
         num_layers=3, base_decode=base, write_kv=None, kv_pool=None, req_to_token=None,
         max_batch_size=1, device="cpu",
     )  # fmt: skip
-    assert build_policy("full").decode_fns(context) == [base, base, base]
+    program = build_policy("full").decode_program(context, DecodeInputs())
+    assert program.layers == [base, base, base] and program.step_setups == ()
 
 
 def test_optional_layer_lists_appear_in_the_schema():
@@ -122,12 +125,17 @@ def test_a_decode_step_reserves_its_buffers_and_leaves_the_graph_when_one_cannot
     from sglang_ext.policies.runtime import PolicyRuntime, RequestState, StepRequest
 
     context = DecodeContext(
-        num_layers=2, base_decode=None, write_kv=None, kv_pool=None, req_to_token=None,
-        max_batch_size=4, device="cpu",
+        num_layers=2, base_decode=None, write_kv=None, kv_pool=None,
+        req_to_token=torch.zeros(4, 8, dtype=torch.int32), max_batch_size=4, device="cpu",
     )  # fmt: skip
     asked = []
-    context.step_reservations.append(lambda tokens: asked.append(tokens) or tokens <= 1000)
-    runtime = PolicyRuntime(build_policy("full"), context)
+
+    class Reserving(PolicyRuntime):
+        def build_program(self):
+            reserve = lambda tokens: asked.append(tokens) or tokens <= 1000  # noqa: E731
+            return DecodeProgram([None] * 2, reservations=(reserve,))
+
+    runtime = Reserving(build_policy("full"), context)
     requests = [
         StepRequest(RequestState(None), f"r{n}", n, seq_len, 10, [], 0)
         for n, seq_len in enumerate([300, 600, 400])

@@ -38,7 +38,7 @@ def test_a_composition_carries_both_configs_to_the_engine_processes():
 @pytest.mark.parametrize("device", DEVICES)
 def test_art_without_termination_is_full_attention_and_writes_the_new_token(device):
     cache = Cache(device=device)
-    fns = build_policy("art", {"patience": 0}).decode_fns(cache.context())
+    fns = cache.decode_fns(build_policy("art", {"patience": 0}))
     out = cache.decode(fns[1], 1)
     slot = cache.batch.out_cache_loc[0]
     assert torch.equal(cache.keys[1][slot], cache.new_k[0])
@@ -52,8 +52,8 @@ def test_delta_with_art_reads_its_selection_most_important_first(device):
                                         "recent_pages": 1, "art": {"patience": 0}})  # fmt: skip
     plain = build_policy("delta", {"full_layers": [0], "delta_layers": [1], "budget_pages": 4,
                                    "recent_pages": 1})  # fmt: skip
-    fns = policy.decode_fns(cache.context(base_decode="engine decode"))
-    plain_fns = plain.decode_fns(cache.context(base_decode="engine decode"))
+    fns = cache.decode_fns(policy, base_decode="engine decode")
+    plain_fns = cache.decode_fns(plain, base_decode="engine decode")
     assert fns[0] != "engine decode"  # full layers read through ART too
     cache.decode(fns[1], 1), cache.decode(plain_fns[1], 1)
     decoder, plain_decoder = fns[2].__self__, plain_fns[2].__self__

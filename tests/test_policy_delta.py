@@ -92,14 +92,14 @@ def test_full_layers_may_follow_a_delta_layer():
 def test_layers_beyond_the_models_depth_are_refused_at_bind(params, field):
     policy = build_policy("delta", params)
     with pytest.raises(PolicyConfigError) as err:
-        policy.decode_fns(Cache(num_layers=20).context())
+        Cache(num_layers=20).decode_fns(policy)
     assert err.value.field == f"delta.{field}"
     assert "beyond the model's 20 layers" in str(err.value)
 
 
 def delta_decode_fns(cache, **params):
     policy = build_policy("delta", {"full_layers": [0, 1], "delta_layers": [2], **params})
-    fns = policy.decode_fns(cache.context(base_decode="engine decode"))
+    fns = cache.decode_fns(policy, base_decode="engine decode")
     return fns, fns[2].__self__  # the DeltaDecoder holding the selection
 
 
@@ -189,7 +189,7 @@ def test_tensor_parallel_ranks_select_what_one_rank_with_every_head_selects(poli
         params = {"full_layers": [0, 1], "budget_tokens": 24}
     layers = {"delta_layers" if policy == "delta" else "selection_layers": [2]}
     whole = Cache()
-    whole_fns = build_policy(policy, {**params, **layers}).decode_fns(whole.context())
+    whole_fns = whole.decode_fns(build_policy(policy, {**params, **layers}))
     whole.decode(whole_fns[2], 2)
     expected = whole_fns[2].__self__.selected[:3].clone()
 
@@ -197,14 +197,14 @@ def test_tensor_parallel_ranks_select_what_one_rank_with_every_head_selects(poli
     local_scores, local_selections = [], []
     for rank in ranks:  # alone: each rank's scores and its own choice
         alone = RankGroup(0, 1, lambda x: local_scores.append(x.clone()) or x[None])
-        fns = build_policy(policy, {**params, **layers}).decode_fns(rank.context(ranks=alone))
+        fns = rank.decode_fns(build_policy(policy, {**params, **layers}), ranks=alone)
         rank.decode(fns[2], 2)
         local_selections.append(fns[2].__self__.selected[:3].clone())
     assert any(not torch.equal(selection, expected) for selection in local_selections)
 
     def select(rank, group):
         policy_of_rank = build_policy(policy, {**params, **layers})
-        fns = policy_of_rank.decode_fns(ranks[rank].context(ranks=group))
+        fns = ranks[rank].decode_fns(policy_of_rank, ranks=group)
         ranks[rank].decode(fns[2], 2)
         return fns[2].__self__.selected[:3]
 

@@ -43,7 +43,7 @@ def test_bad_parameters_name_the_field(params, field, fragment):
 
 def tidal_decode_fns(cache, **params):
     policy = build_policy("tidal", {"full_layers": [0, 1], "selection_layers": [2], **params})
-    fns = policy.decode_fns(cache.context(base_decode="engine decode"))
+    fns = cache.decode_fns(policy, base_decode="engine decode")
     return fns, fns[2].__self__
 
 

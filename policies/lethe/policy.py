@@ -42,7 +42,7 @@ import dataclasses
 import math
 
 import torch
-from sglang_ext.policies.base import DecodeContext, KVPolicy, PolicyConfigError
+from sglang_ext.policies.base import DecodeContext, DecodeInputs, KVPolicy, PolicyConfigError
 from sglang_ext.policies.lethe.runtime import LetheRuntime
 from sglang_ext.policies.registry import register_policy
 
@@ -120,8 +120,8 @@ class Lethe(KVPolicy):
     def pools_layer_rows(self) -> bool:
         return self.per_layer_lists()
 
-    def runtime(self, ctx: DecodeContext) -> LetheRuntime:
-        return LetheRuntime(self, ctx)
+    def runtime(self, ctx: DecodeContext, shared: DecodeInputs | None = None) -> LetheRuntime:
+        return LetheRuntime(self, ctx, shared)
 
     def budget(self) -> str:
         caps = f"max_kv_ratio {self.max_kv_ratio}, evict_threshold {self.evict_threshold}"

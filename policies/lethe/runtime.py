@@ -11,7 +11,7 @@ lists, memory is per layer (``sglang_ext.policies.lethe.layer_memory``): every e
 as few slots as hold them, and a layer attends over its entries' rows.
 
 Memory: SGLang keeps its own view of a request (``seq_lens``, ``req_to_token``, the true
-positions for RoPE) unchanged; a slot freed by a round leaves a hole, ``DecodeContext.hole_slot``
+positions for RoPE) unchanged; a slot freed by a round leaves a hole, ``DecodeContext.padding_slot``
 (SGLang's padding slot: never allocated, so a hole is never attended and never a real slot), in
 the request's ``req_to_token`` row. The engine adapter (``sglang_ext.engine.memory``) drops holes
 when SGLang frees a request, keeps its conservation check exact and its radix cache away from
@@ -43,6 +43,7 @@ import torch
 
 from sglang_ext.kernels import rasr
 from sglang_ext.kernels.sparse_decode import TableRead
+from sglang_ext.policies.context import DecodeInputs, DecodeProgram
 from sglang_ext.policies.lethe.layer_memory import pack_rows, pooled_buffers
 from sglang_ext.policies.runtime import (
     EngineOps,
@@ -97,7 +98,7 @@ class _RoundBatch:
         slots = ctx.req_to_token[rows, : max(lengths)]
         column = torch.arange(slots.shape[1], device=device)
         bounds = torch.tensor([[r.protected_len, n] for r, n in members], device=device)
-        own = (column >= bounds[:, :1]) & (column < bounds[:, 1:]) & (slots != ctx.hole_slot)
+        own = (column >= bounds[:, :1]) & (column < bounds[:, 1:]) & (slots != ctx.padding_slot)
         return cls(requests[0].state.policy, requests, lengths, rows, slots, own)
 
 
@@ -112,7 +113,8 @@ class _RoundOutcome:
 class LetheRuntime(PolicyRuntime):
     """Lethe's device state for one attention backend, its decode and its rounds."""
 
-    def __init__(self, policy, ctx):
+    def __init__(self, policy, ctx, shared: DecodeInputs | None = None):
+        table_share = None if shared is None else shared.table_share
         rows, cap = ctx.req_to_token.shape
         self.trash_row = rows  # padded batch entries (CUDA graphs) write here, read nothing
         shape = (ctx.num_layers, rows + 1, cap)
@@ -126,12 +128,13 @@ class LetheRuntime(PolicyRuntime):
         self._zero_score = torch.zeros((), dtype=torch.float32, device=ctx.device)
         self._logits, self._workspace = None, None  # the kernel's scratch (CUDA only)
         self._slot_table = None  # one list for every layer: its slots, gathered once per step
+        self._table_reads: dict[int, TableRead] = {}  # where it reads only a mix's shared table
         if ctx.device.type == "cuda" and ctx.num_q_heads is not None:
             logits_shape = (ctx.max_batch_size, ctx.num_q_heads, cap)
             self._logits = torch.empty(logits_shape, dtype=torch.float32, device=ctx.device)
             self._workspace = ctx.split_workspace(cap)
             if not policy.per_layer_lists():
-                self._own_table(ctx, cap)
+                self._own_table(ctx, cap, table_share)
         self.layer_rows = None  # per-layer memory: each entry's global K/V row
         if policy.pools_layer_rows():
             self.pooled = pooled_buffers(ctx.kv_pool, ctx.num_layers)
@@ -141,18 +144,19 @@ class LetheRuntime(PolicyRuntime):
                 (ctx.num_layers, ctx.max_batch_size), dtype=torch.int32, device=ctx.device
             )
         self._extending = _Extending([], [], [])
-        super().__init__(policy, ctx)
-        self.decode_fns = [self._decode] * ctx.num_layers
+        super().__init__(policy, ctx, shared)
         size_gb = (self.positions.nbytes + self.scores.nbytes) / 2**30
         logger.info(
             "sglang_ext: lethe state for %d layers x %d request slots x %d positions: %.2f GiB",
             ctx.num_layers, rows, cap, size_gb,
         )  # fmt: skip
 
-    def _own_table(self, ctx, cap: int) -> None:
+    def build_program(self) -> DecodeProgram:
+        return DecodeProgram([self._decode] * self.ctx.num_layers, table_reads=self._table_reads)
+
+    def _own_table(self, ctx, cap: int, share) -> None:
         """The step's slot table, its own or its share of a mix's (which then attends over it for
         every layer: each layer is only that attention and the scores' update)."""
-        share = ctx.slot_tables
         if share is None:
             int32 = {"dtype": torch.int32, "device": ctx.device}
             self._slot_table = torch.zeros((ctx.max_batch_size, cap), **int32)
@@ -161,7 +165,7 @@ class LetheRuntime(PolicyRuntime):
             self._slot_table, self._entry_count = share.take(cap)
             for lid in range(ctx.num_layers):
                 update = functools.partial(self._update_scores, lid)
-                share.reads[lid] = TableRead(logits=self._logits, after=update)
+                self._table_reads[lid] = TableRead(logits=self._logits, after=update)
         self._table_rows = torch.arange(ctx.max_batch_size, device=ctx.device)
 
     def _update_scores(self, lid: int, lse: torch.Tensor, batch: int) -> None:
@@ -439,7 +443,7 @@ class LetheRuntime(PolicyRuntime):
         counts = freeable.sum(1).tolist()
         at = torch.nonzero_static(freeable.flatten(), size=sum(counts)).squeeze(1)
         freed = batch.slots.flatten()[at].to(torch.int64)
-        holes = torch.where(freeable, self.ctx.hole_slot, batch.slots)
+        holes = torch.where(freeable, self.ctx.padding_slot, batch.slots)
         self.ctx.req_to_token[batch.rows, : holes.shape[1]] = holes
         last = batch.own.new_tensor(batch.lengths, dtype=torch.int64)[:, None, None] - 1
         at_position = torch.minimum(positions.long(), last).flatten(1)
@@ -460,7 +464,7 @@ class LetheRuntime(PolicyRuntime):
         # no layer keeps more than its cap, or its sink tokens and recent window past a small cap
         most = max(own.round_cap(length) for length in batch.lengths) + own.sink_tokens
         packed = pack_rows(
-            self.pooled, entries, stays, batch.slots, batch.own, self.ctx.hole_slot,
+            self.pooled, entries, stays, batch.slots, batch.own, self.ctx.padding_slot,
             columns=min(most, batch.slots.shape[1]),
         )  # fmt: skip
         self.ctx.req_to_token[batch.rows, : packed.slots.shape[1]] = packed.slots.to(torch.int32)

@@ -26,6 +26,7 @@ from sglang_ext.policies.tidal.cache_correction import CacheCorrection
 from sglang_ext.policies.selection import (
     Selection,
     SelectionPolicy,
+    RaggedScoring,
     ragged_scoring,
     scaled_layers,
 )
@@ -71,23 +72,25 @@ class TidalPolicy(SelectionPolicy):
         reselect = scaled_layers([PAPER_RESELECTION_LAYER], PAPER_DEPTH, num_layers)
         return [0, 1], sorted({2, *reselect})
 
-    def selection(self, ctx: DecodeContext) -> Selection:
+    def selection(self, ctx: DecodeContext, importance_ordered: bool = False) -> Selection:
         if torch.device(ctx.device).type == "cuda":
             by_probability = self.score == "probability"
-            attend_and_score, ragged = ragged_scoring(ctx, use_probs=by_probability, page_size=1)
+            scoring = ragged_scoring(ctx, use_probs=by_probability, page_size=1)
         else:  # the torch reference (the Triton interpreter is far too slow to serve with)
-            attend_and_score, ragged = functools.partial(_reference_attention, score=self.score), {}
+            reference = functools.partial(_reference_attention, score=self.score)
+            scoring = RaggedScoring(reference, {}, (), ())
         choose_tokens = unit_chooser(
-            ctx.device, self.budget_tokens, self.recent_tokens, 1, ctx.art is not None,
-            num_sink=self.sink_units(), **ragged,
+            ctx.device, self.budget_tokens, self.recent_tokens, 1, importance_ordered,
+            num_sink=self.sink_units(), **scoring.chooser_args,
         )  # fmt: skip
 
         def choose(token_scores, page_scores, seq_lens, row_budget=None, out=None):
             return choose_tokens(token_scores, seq_lens, row_budget, out)
 
         return Selection(
-            "tokens", 1, self.budget_tokens, attend_and_score, choose, self.recent_tokens
-        )
+            "tokens", 1, self.budget_tokens, scoring.attend_and_score, choose,
+            self.recent_tokens, scoring.step_setups, scoring.reservations,
+        )  # fmt: skip
 
 
 def _reference_attention(*cache, sm_scale, score):

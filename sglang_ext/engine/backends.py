@@ -60,14 +60,6 @@ class PolicyDispatchMixin:
         model_config = model_runner.model_config
         device = torch.device(model_runner.device)
         req_to_token = self.req_to_token_pool.req_to_token
-        # every request pool row starts at the server's values; request_policy.install fills a
-        # request's own at its prefill
-        defaults = policy.request_values(policy)
-        self.request_values = (
-            torch.tensor([defaults] * req_to_token.shape[0], dtype=torch.float32, device=device)
-            if defaults else None
-        )  # fmt: skip
-        self.art_tile_counts = torch.zeros(2, dtype=torch.int64, device=device)
         context = DecodeContext(
             num_layers=model_config.num_hidden_layers,
             base_decode=super().forward_decode,
@@ -79,9 +71,7 @@ class PolicyDispatchMixin:
             device=device,
             model_fingerprint=model_fingerprint(model_config.hf_config),
             ranks=_attention_ranks(),
-            request_values=self.request_values,
-            art_tile_counts=self.art_tile_counts,
-            hole_slot=HOLE_SLOT,
+            padding_slot=HOLE_SLOT,
             num_q_heads=model_config.num_attention_heads // _attention_tp_size(),
             head_dim=model_config.head_dim,
             kv_pool_tokens=self.token_to_kv_pool.size,
