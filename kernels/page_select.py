@@ -158,8 +158,8 @@ def dense_rows(
 def fastest_top_ranked(device: torch.device | str) -> TopRanked:
     """FlashInfer's top-k on CUDA where it is installed (measured: benchmarks.kernel_bench's
     ``rank_*_ms`` rows), torch's elsewhere. FlashInfer's ragged top-k (each row's candidates only,
-    ``rank_flashinfer_ragged_ms``) is faster alone but measured slower in the engine's decode step
-    (RESULTS.md, 2026-11-24 A/B), so it is not used."""
+    ``rank_flashinfer_ragged_ms``) is faster alone but was slower in the engine's decode step (an
+    A/B of benchmarks.decode_step), so it is not used."""
     if torch.device(device).type == "cuda":
         try:
             import flashinfer.topk  # noqa: F401
@@ -208,13 +208,13 @@ def select_tokens(
 # (budget - num_recent) candidates, and merges of as many lists as one pass holds choose among
 # those, in a tree, until one list is left (exact: a unit among the row's best is among its
 # chunk's and its group's best). Chunks and merges past a request's length skip their work.
-# Passes over rows held in memory, instead, were measured slower than FlashInfer's top-k
-# (RESULTS.md, 2026-11-24). At most 65,535: _keep_best counts a pass's keys in 16-bit fields.
+# Passes over rows held in memory, instead, were slower than FlashInfer's top-k. At most 65,535:
+# _keep_best counts a pass's keys in 16-bit fields.
 FUSED_MAX_UNITS = 8192
 # A chunk holds this many units per candidate it keeps, at least MIN_CHUNK_UNITS: a short
-# request's row then spreads over several programs. DELTA's 56 candidates took whole 8192-unit
-# chunks, one program's pass of 52 µs per selection layer at batch 1 (H100, RESULTS.md
-# 2026-11-26); Tidal's ~1k candidates keep the widest chunks, which spare merges.
+# request's row then spreads over several programs (few candidates would otherwise take whole
+# chunks, one program's long pass at batch 1); many candidates keep the widest chunks, which
+# spare merges.
 UNITS_PER_CANDIDATE = 16
 MIN_CHUNK_UNITS = 1024
 
@@ -269,9 +269,8 @@ def _keep_best(keys, is_candidate, num_top):
     block-wide sum counts the keys at or above three trials (packed in 16-bit fields: a pass holds
     at most FUSED_MAX_UNITS keys). The search stops once exactly num_top keys lie at or above the
     threshold (distinct scores: after ~log2(keys) bits, not 32); else the threshold ends as the
-    num_top-th largest key, and of the keys equal to it the lowest offsets are kept. Four
-    tl.histogram rounds of a byte measured 1.4-2x slower than bit rounds (H100, RESULTS.md
-    2026-11-26)."""
+    num_top-th largest key, and of the keys equal to it the lowest offsets are kept. Bit rounds,
+    not tl.histogram rounds of a byte, which were slower."""
     threshold = tl.zeros((), tl.uint32)
     shift = tl.full((), 30, tl.uint32)
     searching = tl.full((), 1, tl.int1)  # num_top 0 too: it climbs until nothing is kept

@@ -27,9 +27,9 @@ import triton.language as tl
 from .split_kv_decode import SplitKVWorkspace, attend_positions_ref, split_kv_decode
 
 PAGE_SIZE = 16
-# Tokens per scoring program (a multiple of the page size) and its warps, measured (kernel_bench
-# --parts tune, scores_ms rows, H100, batch 64 x 32k): 0.042 ms with 256 tokens and 4 warps, 0.067
-# with the 64-token programs before, which spent more time starting than reading.
+# Tokens per scoring program (a multiple of the page size) and its warps: the fastest of
+# benchmarks.kernel_bench --parts tune's scores_ms rows; short programs spend more time starting
+# than reading.
 SCORES_BLOCK_T, SCORES_WARPS = 256, 4
 
 

@@ -9,11 +9,10 @@ request's last page); its missing tokens are skipped.
 On CUDA a selection is read through a ``SlotTable``: each selection layer gathers its requests'
 selected KV slots once, and every sparse layer after it attends over that table with the split-KV
 kernel reading the table as its req_to_token, under the launch tuned for short selected lists
-(``STAGE1_SELECTED``: over a 1k-token table at batch 64 its 32-token tiles were 3 % faster than
-the whole-cache launch's 64, and its merge by the last split's program 7 % faster than stage 2's
-launch; kernel_bench --parts tune, H100). Several readers' tables may share one storage
-(``SharedSlotTables``: a policy mix's members), so that one call reads each batch entry's row from
-its own reader's table.
+(``STAGE1_SELECTED``: shorter tiles than the whole-cache launch's, and the merge by the last
+split's program; benchmarks.kernel_bench --parts tune). Several readers' tables may share one
+storage (``SharedSlotTables``: a policy mix's members), so that one call reads each batch entry's
+row from its own reader's table.
 """
 
 import dataclasses

@@ -22,15 +22,13 @@ _BLOCK_N = 32  # the split granularity, like SGLang's MIN_BLOCK_KV
 # A grid of about this many programs per SM hides memory latency; a fixed split count left most
 # SMs idle at small batches (8 splits x 2 KV heads = 16 programs on 132 SMs at batch 1).
 PROGRAMS_PER_SM = 4
-# Over a short list (a sparse layer's 1k-token selection) fewer, longer splits are faster:
-# measured (kernel_bench --parts tune, H200, 2026-11-26) 8 splits at batch 32 take 15.0 µs where
-# the 16 of four programs per SM take 19.2; whole-cache reads are flat from 4 programs per SM on.
+# Over a short list (a sparse layer's 1k-token selection) fewer, longer splits are faster; whole-
+# cache reads gain nothing past four programs per SM (benchmarks.kernel_bench --parts tune).
 SHORT_LIST_PROGRAMS_PER_SM = 2
 MAX_KV_SPLITS = 128
 # Up to this many splits the last program of a (request, KV head) to finish merges them itself,
-# where its launch says so: a sparse layer over 1k tokens at batch 64 (4 splits) takes 31.5 µs
-# against 33.8 with stage 2's launch; with 8 or 16 splits the merge costs what the launch did or
-# more (kernel_bench --parts tune, H100, 2026-11-28).
+# where its launch says so, sparing stage 2's launch; with more splits the merge costs what that
+# launch did or more (benchmarks.kernel_bench --parts tune).
 MAX_MERGED_SPLITS = 4
 # Triton's interpreter multiplies bf16 tl.dot operands as raw uint16 bits (triton 3.8), so under it
 # the dots run on fp32 copies; compiled kernels keep native-dtype tensor-core dots.
@@ -50,11 +48,9 @@ class Stage1Launch:
     merge_in_last_split: bool = True
 
 
-# Measured on an H100 (kernel_bench --parts tune, qwen1.5b shape, 32k, batch 1 and 64): over the
-# whole cache (selection layers) 64-token tiles and 3 stages are 20% faster at batch 64 than
-# (32, 4, 2); over scattered selected pages 32-token tiles with 3 stages are best.
-# The merge's registers slow the whole-cache loop: at batch 64 with 4 splits it took 0.468 ms where
-# stage 2's launch took 0.401 (same run as above), so over the whole cache stage 2 merges.
+# The fastest launches of benchmarks.kernel_bench --parts tune: over the whole cache (selection
+# layers) 64-token tiles, over scattered selected pages 32-token tiles, both with 3 stages. The
+# merge's registers slow the whole-cache loop, so over the whole cache stage 2 merges.
 STAGE1_WHOLE = Stage1Launch(block_n=64, num_warps=4, num_stages=3, merge_in_last_split=False)
 STAGE1_SELECTED = Stage1Launch(block_n=32, num_warps=4, num_stages=3)
 

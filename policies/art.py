@@ -39,8 +39,8 @@ class Art(KVPolicy):
     sink_tokens: int = 4  # read first, always (over full attention)
     probe_stride: int = 8  # the probe: every probe_stride-th head dimension
     num_kv_splits: int = 8
-    # tokens per tile: the kernel's step, and what patience counts. 128: with termination off the
-    # kernel is within 5% of our plain kernel (32: 1.5-1.8x, H100, RESULTS.md 2026-11-27)
+    # tokens per tile: the kernel's step, and what patience counts. Large tiles keep the kernel,
+    # with termination off, as fast as the plain split-KV kernel; small ones cost launches
     tile_tokens: int = 128
 
     def validate(self) -> None:

@@ -3,7 +3,8 @@ the one it names (``custom_params.kv_policy.name``, the first by default), with 
 parameters, and requests of different policies share one decode batch and its CUDA graph.
 
 Each member policy keeps its own runtime (its decode functions, buffers, request state and
-rounds), built on a copy of the backend's context. A decode step gives every member a view of the
+rounds), built on the backend's context with what the mix shares (``DecodeInputs``). A decode
+step gives every member a view of the
 whole batch in which the other members' requests are one token long
 (``MemberView``): its kernels run once over the batch, read, score and select almost nothing for
 those rows, and its output for them is dropped. Per layer the members' outputs are merged by each
@@ -14,9 +15,7 @@ CUDA, members that read only a slot table at a layer (Lethe's retained set, DELT
 sparse layers) keep their tables in one storage (``SharedSlotTables``), and one split-KV call
 reads each row from its own member's table there. So a row reads what it reads under its own
 policy; the mix adds, where members differ otherwise, each member's launches over the whole batch
-and a merge per layer (Lethe + DELTA, 64 x 16k on an H100: 5.95 ms of GPU time a step, 6.20 with
-a call per member at every layer, against about 5.44 for half of each member's; RESULTS.md
-2026-11-27).
+and a merge per layer.
 """
 
 from __future__ import annotations

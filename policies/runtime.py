@@ -53,8 +53,8 @@ class RequestState:
 
 
 # Made per request at every step (with its report) on the scheduler's critical path: slotted,
-# not frozen (a frozen __init__ sets field by field); with it the adapter's host time of a
-# batch-64 step halved (benchmarks.host_step, RESULTS.md 2026-11-25).
+# not frozen (a frozen __init__ sets field by field, which costs host time there;
+# benchmarks.host_step measures it).
 @dataclasses.dataclass(slots=True)
 class StepRequest:
     """One request of a batch as the scheduler sees it this step (host data; not to be changed)."""
@@ -111,7 +111,7 @@ class EngineOps:
 
 class PolicyRuntime:
     """The default lifecycle: stateless decode functions, optional cache correction, per-request
-    values written at prefill. Lethe's runtime (``sglang_ext.policies.lethe.runtime``) adds eviction."""
+    values written at prefill. Lethe's runtime (``policies.lethe.runtime``) adds eviction."""
 
     def __init__(self, policy: KVPolicy, ctx: DecodeContext, shared: DecodeInputs | None = None):
         self.policy, self.ctx = policy, ctx

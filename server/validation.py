@@ -1,7 +1,7 @@
 """Requests SGLang would take and then fail on, refused at the door with an HTTP 4xx instead.
 
 - A body over ``--max-request-bytes`` is answered 413 before it is read whole (SGLang reads and
-  tokenizes any size: a 50 MB prompt held the tokenizer for minutes).
+  tokenizes any size, holding the tokenizer for minutes on a huge prompt).
 - In SGLang's own per-request check (``TokenizerManager._validate_one_request``, whose ValueError
   its routes answer with 400; the hook is in ``sglang_ext.engine.http``): a token id outside the
   vocabulary (the scheduler's embedding lookup raises IndexError and takes the server down; SGLang

@@ -128,7 +128,8 @@ def test_a_checkout_on_the_path_imports_as_installed(tmp_path):
     import sys
 
     code = (
-        "import sys; sys.meta_path = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]\n"
+        "import sys\n"
+        "sys.meta_path = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]\n"
         "import sglang_ext.policies, sglang_ext.kernels.rasr, sglang_ext.server.validation\n"
         "print(sglang_ext.policies.__file__)"
     )

@@ -10,23 +10,20 @@ salient tokens before it, the ``sink_tokens`` first tokens and the most recent `
 the layer's retained tokens.
 
 Per-layer lists are off by default (``sparse_ratio`` None): no layer finds a breakpoint, so every
-layer reads the request's whole retained set and only the cap below evicts. On SmolLM2's real
-weights the per-layer lists raised the next-token KL against full attention 1.3–1.7× at equal
-memory while memory was the union of the lists; with per-layer memory (the sum, below) they tie
-the default's KL with about 10 % less KV on one 4k passage, within the measure's spread
-(``benchmarks.agreement``, RESULTS.md 2026-11-27), and the speed benchmarks' layers keep the
-whole set anyway (dummy weights have no breakpoint). ``sparse_ratio`` set turns the paper's rule
-on. Rounds repeat as the request grows; the threshold follows Algorithm 1.
+layer reads the request's whole retained set and only the cap below evicts: on the embedded
+model the per-layer lists kept the model no closer to full attention at equal memory
+(``benchmarks.agreement``). ``sparse_ratio`` set turns the paper's rule on. Rounds repeat as the
+request grows; the threshold follows Algorithm 1.
 
 Memory: a round caps the request's KV at ``max_kv_ratio`` of its tokens; 1.0 turns the cap off
 and leaves the paper's rule alone. Without per-layer lists the cap cuts the one retained set
-(``cap_union``). With them, memory is per layer (``sglang_ext.policies.lethe.layer_memory``): each layer's list
-is cut to the cap (``cap_layers``), and a request holds ``ceil(sum of its layers' entries /
+(``cap_union``). With them, memory is per layer (``layer_memory``): each layer's list is cut to
+the cap (``cap_layers``), and a request holds ``ceil(sum of its layers' entries /
 layers)`` slots, its kept entries packed into the rows of those slots, whatever the layers keep
 in common (``pack_layers``; False frees a slot only once no layer keeps its token, the union
 capped as without per-layer lists). Layers whose attention is flat find no breakpoint and keep
-everything (on SmolLM2 the first layers do), so the cap still bounds them. The engine side lives
-in ``sglang_ext.policies.lethe.runtime``.
+everything (on SmolLM2 the first layers do), so the cap still bounds them. Its life in the
+engine is ``runtime``.
 
 Breakpoint: the paper's text reads "first cut where v_top[0] / v_top[cut] <= tau", which holds at
 the first cut for any but the steepest scores and would make a larger tau prune *more*; its
@@ -133,7 +130,7 @@ class Lethe(KVPolicy):
     def server_defaults(self) -> dict[str, str]:
         # The state is per request slot x context position; SGLang's default request pool
         # (thousands of slots on a large KV pool) would make it gigabytes.
-        # Prefill seeds the scores with a host-side loop over requests (sglang_ext.policies.lethe.runtime).
+        # Prefill seeds the scores with a host-side loop over requests (lethe.runtime).
         return {
             "--max-running-requests": str(DEFAULT_MAX_RUNNING_REQUESTS),
             "--disable-prefill-cuda-graph": None,

@@ -4,11 +4,10 @@ Layers in ``full_layers`` attend to the whole cache. A token-selection layer (by
 and one re-selection layer mid-depth) attends to the whole cache too and keeps the
 ``budget_tokens`` tokens with the highest score, always including the last ``recent_tokens`` (the
 token being decoded) and the first ``sink_tokens`` (attention sinks, which q·k alone often misses:
-keeping them halved the KL to full attention, RESULTS.md); the other layers after it attend only
+keeping them brings the model closer to full attention); the other layers after it attend only
 to those tokens. A token's ``score`` is the max over query heads of its attention probability
-(``"probability"``, DELTA's: each head normalised by its softmax; the default, as its next-token
-KL to full attention is lower at every budget, RESULTS.md) or of its scaled q·k (``"qk"``, the
-paper's).
+(``"probability"``, DELTA's: each head normalised by its softmax; the default, as it keeps the
+next-token distribution closer to full attention's) or of its scaled q·k (``"qk"``, the paper's).
 With ``correction_interval`` T > 0, every T decode steps the tokens decoded since the last
 correction get their K/V re-filled by a full-attention prefill (sglang_ext.policies.tidal.cache_correction).
 """

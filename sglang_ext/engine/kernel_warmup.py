@@ -3,9 +3,9 @@
 FlashInfer ships its sampling kernels as source and compiles them on first use: in the first
 step that samples with top-k/top-p (a chat request under the model's default top_p, say).
 On a host without FlashInfer's compiled cache that step waits for nvcc, and the scheduler answers
-nothing meanwhile — the likely cause of the GPU load tests whose streams got their 200 and no token
-while /health failed (RESULTS.md, 2026-11-23 and 2026-11-25). Built here, in every scheduler before
-the server says it is ready, the compile costs start-up time once per host instead.
+nothing meanwhile (a stream gets its 200 and no token while /health fails). Built here, in every
+scheduler before the server says it is ready, the compile costs start-up time once per host
+instead.
 """
 
 from __future__ import annotations
