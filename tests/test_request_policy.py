@@ -96,3 +96,30 @@ def test_body_limit_by_declared_length_and_by_bytes_read():
     assert run_asgi(10, [b"x" * 11], declared=11) == [413]
     assert run_asgi(10, [b"x" * 6, b"x" * 6], declared=None) == [413]  # chunked, no length
     assert run_asgi(10, [b"x" * 5, b"x" * 5], declared=None) == [200]
+
+
+class QueuedReq:
+    """What the scheduler-side check reads and calls on SGLang's Req."""
+
+    def __init__(self, custom_params):
+        self.rid, self.to_finish, self.aborted = "r", None, None
+        self.sampling_params = type("Params", (), {"custom_params": custom_params})()
+
+    def set_finish_with_abort(self, message):
+        self.aborted = self.to_finish = message
+
+
+def test_a_spec_the_scheduler_cannot_serve_ends_that_request_never_the_default(monkeypatch):
+    from sglang_ext.engine import backends, requests
+
+    runtime = type("Runtime", (), {"policy": LETHE})()
+    monkeypatch.setattr(backends, "_RUNTIMES", [runtime])
+    bad = QueuedReq({"kv_policy": {"name": "lethe", "decay": 0.5}})  # server-wide parameter
+    requests.refuse_unusable(None, bad)
+    assert "kv_policy.decay" in bad.aborted
+    good = QueuedReq({"kv_policy": {"recent_ratio": 0.5}})
+    requests.refuse_unusable(None, good)
+    assert good.aborted is None
+    assert requests.own_policy(LETHE, good).recent_ratio == 0.5  # parsed once, kept on the Req
+    with pytest.raises(PolicyConfigError):
+        requests.own_policy(LETHE, QueuedReq({"kv_policy": {"name": "tidal"}}))

@@ -50,13 +50,14 @@ def install(policy: KVPolicy, apply: bool = False) -> None:
 
 
 def _register(policy: KVPolicy) -> None:
-    from sglang_ext.engine import backends, http, memory, steps, targets
+    from sglang_ext.engine import backends, http, memory, requests, steps, targets
 
     verify(targets.ALL)
     hooks = _Hooks()
     backends.register_backends(policy)
     http.register(hooks, policy)
     steps.register(hooks)
+    requests.register(hooks)
     if policy.evicts():
         memory.register(hooks)
     if policy.pools_layer_rows():

@@ -4,13 +4,11 @@ requests (``StepRequest``) that the runtime, the metrics and the report share.""
 
 from __future__ import annotations
 
-import logging
-
+from sglang_ext.engine import targets
+from sglang_ext.engine.backends import process_runtime
 from sglang_ext.policies import KVPolicy, PolicyConfigError
 from sglang_ext.policies.runtime import PolicyRuntime, RequestState, StepRequest
 from sglang_ext.request_policy import request_policy
-
-logger = logging.getLogger(__name__)
 
 _STATE = "sglang_ext_state"  # on a Req: its RequestState
 _OWN = "sglang_ext_own_policy"  # on a Req: (served policy, its own), parsed once
@@ -22,19 +20,36 @@ def state_of(req) -> RequestState | None:
 
 
 def own_policy(served: KVPolicy, req) -> KVPolicy | None:
-    """The policy a scheduler Req asked for (``custom_params.kv_policy``), parsed once. The HTTP
-    process refused invalid specs already; one that got past it (an engine used without the HTTP
-    server) is served the server's policy rather than crash the scheduler."""
+    """The policy a scheduler Req asked for (``custom_params.kv_policy``), parsed once in this
+    process, when the scheduler queues it (``refuse_unusable``). Raises PolicyConfigError."""
     cached = getattr(req, _OWN, None)
     if cached is not None and cached[0] is served:
         return cached[1]
-    try:
-        own = request_policy(served, req.sampling_params.custom_params)
-    except PolicyConfigError as err:
-        own = next(iter(served.request_choices().values()))
-        logger.warning("sglang_ext: request %s: %s; serving %s", req.rid, err, own.name)
+    own = request_policy(served, req.sampling_params.custom_params)
     setattr(req, _OWN, (served, own))
     return own
+
+
+def refuse_unusable(scheduler, req, *args, **kwargs):
+    """Before the scheduler queues a request: a ``kv_policy`` it cannot serve (one that got past
+    the HTTP process's check: an engine used without it, or a spec made for another server) ends
+    the request with a 400 naming the field, as SGLang's own checks there do."""
+    runtime = process_runtime()
+    if runtime is None or getattr(req, "to_finish", None) is not None:
+        return None
+    try:
+        own_policy(runtime.policy, req)
+    except PolicyConfigError as err:
+        req.set_finish_with_abort(f"sglang_ext: {err}")
+        # its one-token prefill, which SGLang runs to finish it, decodes nothing
+        setattr(req, _OWN, (runtime.policy, next(iter(runtime.policy.request_choices().values()))))
+    return None
+
+
+def register(hooks) -> None:
+    from sglang.srt.plugins.hook_registry import HookType
+
+    hooks.register(targets.QUEUE_REQUEST, refuse_unusable, HookType.BEFORE)
 
 
 def begin_prefill(runtime: PolicyRuntime, req) -> None:

@@ -31,6 +31,8 @@ PREFILL_ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
 KV_POOL_BUFFERS = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal"
 CHECK_DECODE_MEM = "sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem"
 SCHEDULE_PREFILL = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
+# scheduler process: a request's own policy, parsed when it is queued
+QUEUE_REQUEST = "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue"
 # HTTP process: request checks and the per-request report
 VALIDATE = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 NORMALIZE = "sglang.srt.managers.io_struct.GenerateReqInput.normalize_batch_and_arguments"
@@ -43,7 +45,7 @@ COMPLETION_STREAM = f"{_OPENAI}.serving_completions.OpenAIServingCompletion._gen
 
 ALL = (
     INIT_NEW, FORWARD, CAN_RUN_GRAPH, FREE, CACHE_UNFINISHED, UNCACHED_SIZES, PREFILL_ADDER, CHECK_DECODE_MEM,
-    SCHEDULE_PREFILL, KV_POOL_BUFFERS,
+    SCHEDULE_PREFILL, KV_POOL_BUFFERS, QUEUE_REQUEST,
     VALIDATE, NORMALIZE, DETOKENIZE, GENERATE, CHAT, CHAT_STREAM, COMPLETION, COMPLETION_STREAM,
 )  # fmt: skip
 
