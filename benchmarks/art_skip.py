@@ -24,6 +24,7 @@ from benchmarks import harness
 from benchmarks.harness import RunInfo
 from sglang_ext.tools import attention_trace as at
 from sglang_ext.kernels.art_decode import art_decode_ref
+from sglang_ext.kernels.kv_view import KVView
 from sglang_ext.policies import build_policy
 
 BENCH = "art_skip"
@@ -38,14 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def layer_cache(trace: at.DecodeTrace, step: int, layer: int):
-    """One layer's decode at ``step`` as a one-request batch in the engine's layout."""
+    """(q, KV view): one layer's decode at ``step`` as a one-request batch in the engine's
+    layout."""
     seq_len = trace.seq_lens[step]
     q = trace.queries[step, layer][None]  # [1, q_heads, dim]
     k = trace.keys[layer, :seq_len]
     v = trace.values[layer, :seq_len]
     req_to_token = torch.arange(seq_len, dtype=torch.int32)[None]
     rows, seq_lens = torch.zeros(1, dtype=torch.int64), torch.tensor([seq_len], dtype=torch.int32)
-    return q, k, v, req_to_token, rows, seq_lens
+    return q, KVView(k, v, req_to_token, rows, seq_lens)
 
 
 def measure_trace(trace: at.DecodeTrace, configs: dict) -> dict:
@@ -56,7 +58,7 @@ def measure_trace(trace: at.DecodeTrace, configs: dict) -> dict:
             cache = layer_cache(trace, step, layer)
             full, _ = art_decode_ref(*cache, trace.sm_scale, tau=1.0, phi=1.0, patience=0)
             norm = full[0].norm(dim=-1).clamp_min(1e-12)
-            seq_len, kv_heads = int(cache[5][0]), cache[1].shape[1]
+            seq_len, kv_heads = int(cache[1].lengths[0]), cache[1].k.shape[1]
             for key, art in configs.items():
                 out, tiles = art_decode_ref(
                     *cache, trace.sm_scale, **art.kernel_params(), always_read=art.sink_tokens

@@ -23,6 +23,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
+from sglang_ext.kernels.kv_view import KVView
 from sglang_ext.policies import DecodeContext, build_policy
 from sglang_ext.policies.context import DecodeInputs
 from sglang_ext.policies.selection import LayerRole
@@ -97,7 +98,8 @@ class Inputs:
         self.batch, self.context = batch, context
 
     def cache(self):
-        return (self.q, self.k, self.v, self.req_to_token, self.rows, self.seq_lens)
+        """(q, the KV view): the leading arguments of the decode kernels."""
+        return self.q, KVView(self.k, self.v, self.req_to_token, self.rows, self.seq_lens)
 
     def sglang_decode(self, kv_splits: int):
         from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
@@ -280,11 +282,11 @@ def stage1_tuning_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
     stride = inputs.context // PAGE // pages
     chosen = torch.arange(pages, device="cuda", dtype=torch.int32) * stride
     table = SlotTable(batch, pages * PAGE, "cuda")
-    cache = inputs.cache()
+    q, kv = cache = inputs.cache()
     selected = chosen.expand(batch, pages).contiguous()
     num_selected = torch.full((batch,), pages, device="cuda", dtype=torch.int32)
-    table.gather(*cache[3:], selected, num_selected, PAGE)
-    over_table = (*cache[:3], table.slots, table.rows[:batch], table.count[:batch])
+    table.gather(kv, selected, num_selected, PAGE)
+    over_table = (q, kv.through(table.slots, table.rows[:batch], table.count[:batch]))
     logits = torch.empty(batch, q_heads, inputs.context, device="cuda", dtype=torch.float32)
     kinds = {
         "select": (cache, {"logits": logits}, inputs.context),
@@ -404,10 +406,10 @@ def sparse_kernel_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
         cache = inputs.cache()
 
         def gather(table=table, selected=selected, num_selected=num_selected, page=page):
-            table.gather(*cache[3:], selected, num_selected, page)
+            table.gather(cache[1], selected, num_selected, page)
 
         def ours(table=table):
-            table.attend(*cache[:3], inputs.scale, out=ours_out)
+            table.attend(*cache, inputs.scale, out=ours_out)
 
         gather_ms = time_ms(gather)
 

@@ -34,17 +34,29 @@ a program stops only when all of its heads are stable.
 """
 
 import os
+from collections.abc import Mapping
 
 import torch
 import triton
 import triton.language as tl
 
+from .kv_view import KVView
 from .split_kv_decode import SplitKVWorkspace, merge_splits
+from .tile import (
+    empty_state,
+    fold_tile,
+    load_query,
+    raise_max,
+    store_split,
+    tile_logits,
+    tile_values,
+)
 
 TILE = 32  # tokens per tile by default (``tile_tokens``)
 TILE_TOKENS = (16, 32, 64, 128)  # the tile sizes the kernel is built for
 # A split's share holds at least this many times the 1 + patience tiles it needs to stop
 SHARE_PER_STOP = 2
+ART_COLUMNS = ("tau", "phi", "patience")  # a request's own values (request_columns)
 _DOT_IN_FP32 = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -65,30 +77,12 @@ def _attend_tile(
         pos = tl.where(offs_n < always_read, offs_n, seq_len - 1 - (offs_n - always_read))
     valid = in_order & (pos < seq_len) & (pos >= 0)
     slot = tl.load(req_row + pos, mask=valid, other=0).to(tl.int64)
-    k = tl.load(
-        K + slot[None, :] * stride_k_slot + kv_head * stride_k_head + offs_d[:, None],
-        mask=valid[None, :] & mask_d[:, None],
-        other=0.0,
-    )
-    if DOT_IN_FP32:
-        k = k.to(tl.float32)
-    qk = tl.dot(q, k) * sm_scale
-    qk = tl.where(mask_h[:, None] & valid[None, :], qk, float("-inf"))
-    v = tl.load(
-        V + slot[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
-        mask=valid[:, None] & mask_d[None, :],
-        other=0.0,
-    )
-    new_max = tl.maximum(e_max, tl.max(qk, 1))
-    # A row with no valid token yet keeps max -inf; shift by 0 then so exp() gives 0, not NaN.
-    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-    rescale = tl.exp(e_max - shift)
-    p = tl.exp(qk - shift[:, None])
-    if DOT_IN_FP32:
-        acc = acc * rescale[:, None] + tl.dot(p, v.to(tl.float32))
-    else:
-        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
-    return new_max, e_sum * rescale + tl.sum(p, 1), acc
+    qk = tile_logits(
+        q, K, slot, valid, kv_head, stride_k_slot, stride_k_head, mask_h, offs_d, mask_d,
+        sm_scale, DOT_IN_FP32,
+    )  # fmt: skip
+    v = tile_values(V, slot, valid, kv_head, stride_v_slot, stride_v_head, offs_d, mask_d)
+    return fold_tile(e_max, e_sum, acc, qk, v, DOT_IN_FP32)
 
 
 @triton.jit
@@ -109,7 +103,9 @@ def _art_stage1(
     tau,
     phi,
     patience,
-    RequestParams,
+    RequestTau,
+    RequestPhi,
+    RequestPatience,
     always_read,
     stride_qb,
     stride_qh,
@@ -124,7 +120,6 @@ def _art_stage1(
     stride_mid_s,
     stride_lse_b,
     stride_lse_h,
-    stride_request_params,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -152,11 +147,10 @@ def _art_stage1(
     seq_len = tl.load(SeqLens + batch)
     req_pool_idx = tl.load(ReqPoolIdx + batch).to(tl.int64)
     req_row = ReqToToken + req_pool_idx * stride_r2t
-    if PER_REQUEST:  # this request's own (tau, phi, patience)
-        params = RequestParams + req_pool_idx * stride_request_params
-        tau = tl.load(params)
-        phi = tl.load(params + 1)
-        patience = tl.load(params + 2).to(tl.int32)
+    if PER_REQUEST:  # this request's own (tau, phi, patience), a column each by its row
+        tau = tl.load(RequestTau + req_pool_idx)
+        phi = tl.load(RequestPhi + req_pool_idx)
+        patience = tl.load(RequestPatience + req_pool_idx)
     order_row = batch * stride_order
     if ORDER_SPAN > 0:
         length = tl.load(NumOrder + batch) * ORDER_SPAN
@@ -168,17 +162,10 @@ def _art_stage1(
     # int32 like the split id: a loop-carried tile must keep one type (int64 seq_lens made it 64)
     active = tl.where(patience > 0, active, NUM_SPLITS).to(tl.int32)
 
-    q = tl.load(
-        Q + batch * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_h[:, None] & mask_d[None, :],
-        other=0.0,
-    )
-    q = q.to(tl.float32) if DOT_IN_FP32 else q.to(K.dtype.element_ty)
+    q = load_query(Q, K, batch, heads, stride_qb, stride_qh, mask_h, offs_d, mask_d, DOT_IN_FP32)
 
     # The head tile, for the probe only (split 0 reads it as its own first tile).
-    ref_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    ref_sum = tl.zeros([BLOCK_H], tl.float32)
-    ref_acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    ref_max, ref_sum, ref_acc = empty_state(BLOCK_H, BLOCK_D)
     if (split > 0) & (split < active) & (patience > 0) & (num_tiles > split):
         ref_max, ref_sum, ref_acc = _attend_tile(
             q, K, V, req_row, Order, order_row, 0, length, seq_len, always_read, sm_scale,
@@ -187,9 +174,7 @@ def _art_stage1(
             BLOCK_N=BLOCK_N, ORDER_SPAN=ORDER_SPAN, DOT_IN_FP32=DOT_IN_FP32,
         )  # fmt: skip
 
-    e_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    e_sum = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    e_max, e_sum, acc = empty_state(BLOCK_H, BLOCK_D)
     prev_x = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     stable = 0
     read = 0
@@ -206,9 +191,8 @@ def _art_stage1(
         stop = tile < 0  # a device False: the branch below may set it
         if patience > 0:  # else nothing stops: no probe
             # The probe: the running output merged with the head tile; its change (Eq. 2).
-            top = tl.maximum(e_max, ref_max)
-            top = tl.where(top == float("-inf"), 0.0, top)
-            own, head = tl.exp(e_max - top), tl.exp(ref_max - top)
+            _, shift, own = raise_max(e_max, ref_max)
+            head = tl.exp(ref_max - shift)
             mass = e_sum * own + ref_sum * head
             merged = (acc * own[:, None] + ref_acc * head[:, None]) / tl.where(mass > 0, mass, 1.0)[:, None]
             x = tl.where(probe[None, :], merged, 0.0)
@@ -229,24 +213,15 @@ def _art_stage1(
         share = tl.where(split < active, tl.maximum(num_tiles - split + active - 1, 0) // active, 0)
         tl.atomic_add(TileCounts, read.to(tl.int64))
         tl.atomic_add(TileCounts + 1, share.to(tl.int64))
-    mid = batch * stride_mid_b + heads * stride_mid_h + split * stride_mid_s
-    has_tokens = e_sum > 0
-    tl.store(
-        MidO + mid[:, None] + offs_d[None, :],
-        acc / tl.where(has_tokens, e_sum, 1.0)[:, None],
-        mask=mask_h[:, None] & mask_d[None, :],
-    )
-    lse = tl.where(has_tokens, e_max + tl.log(tl.where(has_tokens, e_sum, 1.0)), float("-inf"))
-    tl.store(MidLse + batch * stride_lse_b + heads * stride_lse_h + split, lse, mask=mask_h)
+    store_split(
+        MidO, MidLse, e_max, e_sum, acc, batch, heads, split, stride_mid_b, stride_mid_h,
+        stride_mid_s, stride_lse_b, stride_lse_h, mask_h, offs_d, mask_d,
+    )  # fmt: skip
 
 
 def art_decode(
     q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
+    kv: KVView,
     sm_scale: float,
     *,
     tau: float,
@@ -263,23 +238,25 @@ def art_decode(
     out: torch.Tensor | None = None,
     tiles_read: torch.Tensor | None = None,
     tile_counts: torch.Tensor | None = None,
-    request_params: torch.Tensor | None = None,
+    request_columns: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """ART decode of q [batch, q_heads, dim] (module docstring). Without ``order``: recent-first
-    over each request's whole cache after its first ``always_read`` tokens. With ``order``
-    ([batch, max_entries] int32, most important first) and ``num_order`` ([batch] int32):
-    entry j covers positions order[b, j] * order_span + r, r < order_span.
+    """ART decode of q [batch, q_heads, dim] over ``kv`` (module docstring). Without ``order``:
+    recent-first over each request's whole cache after its first ``always_read`` tokens. With
+    ``order`` ([batch, max_entries] int32, most important first) and ``num_order`` ([batch]
+    int32): entry j covers positions order[b, j] * order_span + r, r < order_span.
 
     Returns (out [batch, q_heads, dim] in q's dtype, tiles_read [batch, kv_heads, splits] int32:
     the tiles each program read). ``tile_counts`` (int64 [2]), when given, accumulates on the
     device [tiles read, tiles the order holds] over all programs: what metrics report.
-    ``request_params`` (float32 [request slots, 3]), when given, holds each request's own
-    (tau, phi, patience) by its req_pool_indices entry, in place of the scalars. A ``workspace``
-    made with ``num_splits=num_kv_splits`` and a ``tiles_read`` buffer ([batch or more, kv_heads,
-    splits] int32) supply the scratch, so the call allocates nothing."""
+    ``request_columns`` ({"tau", "phi": float32, "patience": int32} [request slots], contiguous),
+    when given, hold each request's own values by its row of the table (``kv.rows``), in place of
+    the scalars. A
+    ``workspace`` made with ``num_splits=num_kv_splits`` and a ``tiles_read`` buffer ([batch or
+    more, kv_heads, splits] int32) supply the scratch, so the call allocates nothing."""
     if tile_tokens not in TILE_TOKENS:
         raise ValueError(f"tile_tokens must be one of {TILE_TOKENS}, got {tile_tokens}")
     batch, num_q_heads, head_dim = q.shape
+    k_buffer, v_buffer, table, lengths = kv.k, kv.v, kv.table, kv.lengths
     num_kv_heads = k_buffer.shape[1]
     group = num_q_heads // num_kv_heads
     dev = q.device
@@ -296,23 +273,23 @@ def art_decode(
         tiles_read = torch.empty(batch, num_kv_heads, num_kv_splits, dtype=torch.int32, device=dev)
     tiles_read = tiles_read[:batch]
     explicit = order is not None
-    order_arg = order if explicit else seq_lens  # unread placeholders keep the signature fixed
+    order_arg = order if explicit else lengths  # unread placeholders keep the signature fixed
+    columns = [q] * 3 if request_columns is None else [request_columns[n] for n in ART_COLUMNS]
     block_d = triton.next_power_of_2(head_dim)
     _art_stage1[(batch, num_kv_heads, num_kv_splits)](
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
-        order_arg, num_order if explicit else seq_lens, mid_out, mid_lse, tiles_read,
+        q, k_buffer, v_buffer, table, kv.rows, lengths,
+        order_arg, num_order if explicit else lengths, mid_out, mid_lse, tiles_read,
         tiles_read if tile_counts is None else tile_counts, sm_scale, tau, phi, patience,
-        q if request_params is None else request_params, always_read,
+        *columns, always_read,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
-        v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0), order_arg.stride(0),
+        v_buffer.stride(0), v_buffer.stride(1), table.stride(0), order_arg.stride(0),
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
-        0 if request_params is None else request_params.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=tile_tokens,
         NUM_SPLITS=num_kv_splits, ORDER_SPAN=order_span if explicit else 0,
         PROBE_STRIDE=probe_stride, COUNT_TILES=tile_counts is not None,
-        PER_REQUEST=request_params is not None, SHARE_PER_STOP=SHARE_PER_STOP,
+        PER_REQUEST=request_columns is not None, SHARE_PER_STOP=SHARE_PER_STOP,
         DOT_IN_FP32=_DOT_IN_FP32, num_warps=4, num_stages=2,
     )  # fmt: skip
     merge_splits(mid_out, mid_lse, out, lse)
@@ -345,11 +322,7 @@ def traversal_positions(
 
 def art_decode_ref(
     q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
+    kv: KVView,
     sm_scale: float,
     *,
     tau: float,
@@ -363,20 +336,22 @@ def art_decode_ref(
     num_kv_splits: int = 8,
     tile_tokens: int = TILE,
     tile_counts: torch.Tensor | None = None,
-    request_params: torch.Tensor | None = None,
+    request_columns: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch oracle of art_decode (same arguments and returns; fp32), and the CPU engine's path:
     every split's running output after each of its tiles is computed at once (cumulative sums
     under one max), then each split stops where the stability rule first holds."""
     batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_buffer.shape[1]
+    num_kv_heads = kv.k.shape[1]
     group = num_q_heads // num_kv_heads
     out = torch.zeros_like(q)
     tiles_read = torch.zeros(batch, num_kv_heads, num_kv_splits, dtype=torch.int32)
     probe = torch.arange(head_dim, device=q.device) % probe_stride == 0
     tiles_in_order = 0
-    own = request_params.cpu().tolist() if request_params is not None else None
-    for b, (row, seq_len) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
+    own = None
+    if request_columns is not None:
+        own = list(zip(*(request_columns[name].cpu().tolist() for name in ART_COLUMNS)))
+    for b, (row, seq_len) in enumerate(zip(kv.rows[:batch].tolist(), kv.lengths[:batch].tolist())):
         if own is not None:
             tau, phi, patience = own[row][0], own[row][1], int(own[row][2])
         entries = None if order is None else order[b, : int(num_order[b])].cpu()
@@ -393,11 +368,11 @@ def art_decode_ref(
         by_split = padded.view(per_split, splits, tile_tokens).transpose(0, 1)
         tile_exists = (torch.arange(per_split)[None, :] * splits + torch.arange(splits)[:, None]) < num_tiles
         valid = by_split >= 0
-        slots = req_to_token[row, by_split.clamp_min(0)].long()
+        slots = kv.table[row, by_split.clamp_min(0)].long()
         for g in range(num_kv_heads):
             heads = slice(g * group, (g + 1) * group)
-            k = k_buffer[slots, g].float()  # [splits, per_split, tile, dim]
-            v = v_buffer[slots, g].float()
+            k = kv.k[slots, g].float()  # [splits, per_split, tile, dim]
+            v = kv.v[slots, g].float()
             logits = torch.einsum("hd,sptd->hspt", q[b, heads].float(), k) * sm_scale
             logits = logits.masked_fill(~valid, float("-inf"))
             top = logits.amax(dim=(1, 2, 3), keepdim=True).clamp_min(-1e30)

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_view import KVView
 from .split_kv_decode import SplitKVWorkspace, attend_positions_ref, split_kv_decode
 
 _BLOCK_J = 128  # retained entries per block of the scoring and gathering programs
@@ -124,11 +125,7 @@ def gather_retained_slots(
 
 def shared_retained_decode(
     q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    slot_table: torch.Tensor,
-    table_rows: torch.Tensor,
-    entry_count: torch.Tensor,
+    kv: KVView,
     scores: torch.Tensor,
     state_rows: torch.Tensor,
     sm_scale: float,
@@ -137,29 +134,20 @@ def shared_retained_decode(
     workspace: SplitKVWorkspace | None = None,
 ) -> torch.Tensor:
     """Decode attention of q [batch, q_heads, dim] over a table of KV rows, with the RASR update:
-    entry b attends to rows slot_table[table_rows[b], :entry_count[b]] of k_buffer/v_buffer and
-    updates scores[state_rows[b], :entry_count[b]] in place. The table is the step's
-    ``gather_retained_slots`` (``table_rows`` arange(>= batch), int64) or, under per-layer
-    memory, a layer's list of global rows by request slot (``table_rows`` the state rows, the
+    entry b attends to the rows ``kv.table[kv.rows[b], :kv.lengths[b]]`` of kv.k/kv.v and
+    updates scores[state_rows[b], :kv.lengths[b]] in place. The table is the step's
+    ``gather_retained_slots`` (rows arange(>= batch), int64; lengths its entry counts) or, under
+    per-layer memory, a layer's list of global rows by request slot (rows the state rows, the
     buffers the pool's whole-pool views). ``logits`` a scratch [>= batch, q_heads, >= longest
     list] fp32. Returns out in q's dtype."""
-    batch = q.shape[0]
-    counts = entry_count[:batch]
-    out, lse = split_kv_decode(
-        q, k_buffer, v_buffer, slot_table, table_rows[:batch], counts, sm_scale,
-        logits=logits[:batch], workspace=workspace,
-    )  # fmt: skip
-    accumulate(logits, lse, counts, state_rows, scores, gamma)
+    out, lse = split_kv_decode(q, kv, sm_scale, logits=logits[: q.shape[0]], workspace=workspace)
+    accumulate(logits, lse, kv.lengths, state_rows, scores, gamma)
     return out
 
 
 def shared_retained_decode_ref(
     q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    slot_table: torch.Tensor,
-    table_rows: torch.Tensor,
-    entry_count: torch.Tensor,
+    kv: KVView,
     scores: torch.Tensor,
     state_rows: torch.Tensor,
     sm_scale: float,
@@ -167,24 +155,21 @@ def shared_retained_decode_ref(
 ) -> torch.Tensor:
     """Torch oracle of shared_retained_decode (and the CPU engine's path under per-layer
     memory), fp32; an entry with count 0 (padding) gets zeros."""
+    batch = q.shape[0]
     out = torch.zeros_like(q)
-    rows = zip(table_rows.tolist(), entry_count.tolist(), state_rows.tolist())
+    rows = zip(kv.rows[:batch].tolist(), kv.lengths[:batch].tolist(), state_rows.tolist())
     for b, (table_row, n, state_row) in enumerate(rows):
         if n == 0:
             continue
-        slots = slot_table[table_row, :n].long()
+        slots = kv.table[table_row, :n].long()
         kept_scores = scores[state_row, :n]
-        out[b] = _attend_and_score(q[b], k_buffer, v_buffer, slots, sm_scale, kept_scores, gamma)
+        out[b] = _attend_and_score(q[b], kv, slots, sm_scale, kept_scores, gamma)
     return out
 
 
 def retained_decode_ref(
     q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
+    kv: KVView,
     positions: torch.Tensor,
     count: torch.Tensor,
     scores: torch.Tensor,
@@ -193,25 +178,27 @@ def retained_decode_ref(
     state_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode over each request's retained positions (``positions[row, :count[row]]``) through
-    ``req_to_token``: the CPU engine's path with one list for every layer, and the oracle of the
-    gathered table (``gather_retained_slots`` + ``shared_retained_decode``); fp32 per request,
-    an entry whose state row holds nothing (padding) gets zeros."""
+    ``kv``'s table (SGLang's req_to_token; its lengths are not read): the CPU engine's path with
+    one list for every layer, and the oracle of the gathered table (``gather_retained_slots`` +
+    ``shared_retained_decode``); fp32 per request, an entry whose state row holds nothing
+    (padding) gets zeros. ``state_rows`` default to kv.rows."""
     out = torch.zeros_like(q)
-    rows = req_pool_indices if state_rows is None else state_rows
-    for b, (row, slots_row) in enumerate(zip(rows.tolist(), req_pool_indices.tolist())):
+    table_rows = kv.rows[: q.shape[0]]
+    rows = table_rows if state_rows is None else state_rows
+    for b, (row, slots_row) in enumerate(zip(rows.tolist(), table_rows.tolist())):
         n = int(count[row])
         if n == 0:
             continue
-        slots = req_to_token[slots_row, positions[row, :n].long()].long()
+        slots = kv.table[slots_row, positions[row, :n].long()].long()
         kept_scores = scores[row, :n]
-        out[b] = _attend_and_score(q[b], k_buffer, v_buffer, slots, sm_scale, kept_scores, gamma)
+        out[b] = _attend_and_score(q[b], kv, slots, sm_scale, kept_scores, gamma)
     return out
 
 
-def _attend_and_score(q, k_buffer, v_buffer, slots, sm_scale: float, scores, gamma: float):
-    """One request's attention over ``slots`` (fp32) and its RASR update of ``scores`` (a view of
-    its entries' scores, in place); the output in q's dtype."""
-    out, logits = attend_positions_ref(q, k_buffer, v_buffer, slots, sm_scale)
+def _attend_and_score(q, kv: KVView, slots, sm_scale: float, scores, gamma: float):
+    """One request's attention over ``slots`` of kv's buffers (fp32) and its RASR update of
+    ``scores`` (a view of its entries' scores, in place); the output in q's dtype."""
+    out, logits = attend_positions_ref(q, kv.k, kv.v, slots, sm_scale)
     scores.mul_(gamma).add_(torch.softmax(logits, dim=-1).sum(dim=0))
     return out.to(q.dtype)
 

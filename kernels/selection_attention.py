@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_view import KVView
 from .split_kv_decode import SplitKVWorkspace, attend_positions_ref, split_kv_decode
 
 PAGE_SIZE = 16
@@ -117,7 +118,7 @@ def score_tokens(
     (the grid)."""
     ragged = row_start is not None
     if ragged:
-        num_q_heads, batch = logits.shape[0], seq_lens.shape[0]
+        num_q_heads, batch = logits.shape[0], row_start.shape[0]
         lg_strides, ts_stride, ps_stride = (0, logits.stride(0)), 0, 0
         token_limit = token_scores.shape[0]
     else:
@@ -187,11 +188,7 @@ class ScoreRows:
 
 def ragged_selection_attention(
     q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
+    kv: KVView,
     sm_scale: float,
     *,
     rows: ScoreRows,
@@ -206,60 +203,46 @@ def ragged_selection_attention(
     probability (``use_probs``, DELTA's) or of its scaled logit q·k (TidalDecode's).
     ``workspace`` or ``num_kv_splits`` as for split_kv_decode."""
     out, lse = split_kv_decode(
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale,
-        logits=rows.logits, logits_row_start=rows.row_start, num_kv_splits=num_kv_splits,
-        workspace=workspace, out=out,
+        q, kv, sm_scale, logits=rows.logits, logits_row_start=rows.row_start,
+        num_kv_splits=num_kv_splits, workspace=workspace, out=out,
     )  # fmt: skip
     pages = rows.pages
     score_tokens(
-        rows.logits, lse, seq_lens, rows.tokens, pages, use_probs=use_probs,
-        row_start=rows.row_start[: q.shape[0]], max_seq_len=req_to_token.shape[1],
+        rows.logits, lse, kv.lengths, rows.tokens, pages, use_probs=use_probs,
+        row_start=rows.row_start[: q.shape[0]], max_seq_len=kv.table.shape[1],
     )  # fmt: skip
     return out, rows.tokens, pages
 
 
-def _full_attention_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale):
-    """Per request: (out [q_heads, dim], logits [q_heads, seq_len]) of full attention, in fp32."""
-    rows = zip(req_pool_indices.tolist(), seq_lens.tolist())
+def _full_attention_ref(q: torch.Tensor, kv: KVView, sm_scale: float, with_values: bool = True):
+    """Per request: (out [q_heads, dim], logits [q_heads, seq_len]) of full attention, in fp32;
+    without values the out is of the keys (only the logits are wanted)."""
+    rows = zip(kv.rows[: q.shape[0]].tolist(), kv.lengths[: q.shape[0]].tolist())
+    values = kv.v if with_values else kv.k
     return [
-        attend_positions_ref(q[b], k_buffer, v_buffer, req_to_token[row, :n].long(), sm_scale)
+        attend_positions_ref(q[b], kv.k, values, kv.table[row, :n].long(), sm_scale)
         for b, (row, n) in enumerate(rows)
     ]
 
 
 def selection_attention_ref(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sm_scale: float,
+    q: torch.Tensor, kv: KVView, sm_scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch oracle of a Δ-layer: (out in q's dtype, token_scores [batch, req_to_token.shape[1]]
-    fp32 = max over query heads of the softmax probability, -inf past seq_len)."""
-    cache = (q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale)
+    """Torch oracle of a Δ-layer: (out in q's dtype, token_scores [batch, kv.table.shape[1]]
+    fp32 = max over query heads of the softmax probability, -inf past each request's length)."""
     out = torch.empty_like(q)
-    token_scores = torch.full((q.shape[0], req_to_token.shape[1]), float("-inf"), device=q.device)
-    for b, (out_b, logits) in enumerate(_full_attention_ref(*cache)):
+    token_scores = torch.full((q.shape[0], kv.table.shape[1]), float("-inf"), device=q.device)
+    for b, (out_b, logits) in enumerate(_full_attention_ref(q, kv, sm_scale)):
         out[b] = out_b.to(q.dtype)
         token_scores[b, : logits.shape[1]] = torch.softmax(logits, dim=-1).amax(dim=0)
     return out, token_scores
 
 
-def tidal_token_scores_ref(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sm_scale: float,
-) -> torch.Tensor:
-    """Torch oracle of TidalDecode's token scores: [batch, req_to_token.shape[1]] fp32, max over
-    query heads of sm_scale * q·k, -inf past seq_len."""
-    cache = (q, k_buffer, k_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale)
-    token_scores = torch.full((q.shape[0], req_to_token.shape[1]), float("-inf"), device=q.device)
-    for b, (_, logits) in enumerate(_full_attention_ref(*cache)):
+def tidal_token_scores_ref(q: torch.Tensor, kv: KVView, sm_scale: float) -> torch.Tensor:
+    """Torch oracle of TidalDecode's token scores: [batch, kv.table.shape[1]] fp32, max over
+    query heads of sm_scale * q·k, -inf past each request's length (kv.v is not read)."""
+    token_scores = torch.full((q.shape[0], kv.table.shape[1]), float("-inf"), device=q.device)
+    for b, (_, logits) in enumerate(_full_attention_ref(q, kv, sm_scale, with_values=False)):
         token_scores[b, : logits.shape[1]] = logits.amax(dim=0)
     return token_scores
 

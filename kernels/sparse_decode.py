@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_view import KVView
 from .split_kv_decode import (
     SHORT_LIST_PROGRAMS_PER_SM,
     STAGE1_SELECTED,
@@ -71,37 +72,35 @@ def _gather_selected_kernel(
 
 
 def gather_selected_slots(
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
+    kv: KVView,
     selected: torch.Tensor,
     num_selected: torch.Tensor,
     page_size: int,
     slot_table: torch.Tensor,
     entry_count: torch.Tensor,
 ) -> None:
-    """slot_table[b, :entry_count[b]] = the KV slots of request b's selected tokens below
-    seq_len, unit by unit in the selection's order; slot_table [>= batch, >= max_selected *
-    page_size] int32 and entry_count [>= batch] int32 are the caller's."""
+    """slot_table[b, :entry_count[b]] = the KV slots (in ``kv``'s table) of request b's selected
+    tokens below its length, unit by unit in the selection's order; slot_table [>= batch, >=
+    max_selected * page_size] int32 and entry_count [>= batch] int32 are the caller's."""
     batch = selected.shape[0]
     _gather_selected_kernel[(batch,)](
-        req_to_token, req_pool_indices, seq_lens, selected, num_selected, slot_table,
-        entry_count, req_to_token.stride(0), selected.stride(0), slot_table.stride(0),
+        kv.table, kv.rows, kv.lengths, selected, num_selected, slot_table,
+        entry_count, kv.table.stride(0), selected.stride(0), slot_table.stride(0),
         SPAN=page_size, BLOCK_UNITS=max(1, _GATHER_UNITS // page_size),
     )  # fmt: skip
 
 
 def gather_selected_slots_ref(
-    req_to_token, req_pool_indices, seq_lens, selected, num_selected, page_size
+    kv: KVView, selected: torch.Tensor, num_selected: torch.Tensor, page_size: int
 ) -> list[torch.Tensor]:
     """Torch oracle of gather_selected_slots: each request's slots, in order."""
     offsets = torch.arange(page_size, device=selected.device)
     slots = []
     for b, (req, seq_len, count) in enumerate(
-        zip(req_pool_indices.tolist(), seq_lens.tolist(), num_selected.tolist())
+        zip(kv.rows.tolist(), kv.lengths.tolist(), num_selected.tolist())
     ):
         positions = (selected[b, :count, None].long() * page_size + offsets).flatten()
-        slots.append(req_to_token[req, positions[positions < seq_len]])
+        slots.append(kv.table[req, positions[positions < seq_len]])
     return slots
 
 
@@ -123,25 +122,22 @@ class SlotTable:
             max_batch, *heads, max_entries, device, programs_per_sm=SHORT_LIST_PROGRAMS_PER_SM
         )  # fmt: skip
 
-    def gather(self, req_to_token, req_pool_indices, seq_lens, selected, num_selected, page_size):
-        gather_selected_slots(
-            req_to_token, req_pool_indices, seq_lens, selected, num_selected, page_size,
-            self.slots, self.count,
-        )  # fmt: skip
+    def gather(self, kv: KVView, selected, num_selected, page_size: int) -> None:
+        """The slots of ``kv``'s batch's selection (``gather_selected_slots``)."""
+        gather_selected_slots(kv, selected, num_selected, page_size, self.slots, self.count)
 
-    def attend(self, q, k_buffer, v_buffer, sm_scale: float, out=None) -> torch.Tensor:
-        """Attention of q [batch, q_heads, dim] over the gathered selection."""
+    def attend(self, q, kv: KVView, sm_scale: float, out=None) -> torch.Tensor:
+        """Attention of q [batch, q_heads, dim] over the gathered selection of ``kv``'s buffers."""
         batch = q.shape[0]
-        table = (self.slots, self.rows[:batch], self.count[:batch])
         splits = None
         if self.workspace is None:
-            entries, kv_heads = self.slots.shape[1], k_buffer.shape[1]
+            entries, kv_heads = self.slots.shape[1], kv.k.shape[1]
             splits = num_kv_splits_for(
                 batch, kv_heads, entries, q.device, SHORT_LIST_PROGRAMS_PER_SM
             )
         out, _ = split_kv_decode(
-            q, k_buffer, v_buffer, *table, sm_scale, num_kv_splits=splits,
-            workspace=self.workspace, out=out, launch=STAGE1_SELECTED,
+            q, kv.through(self.slots, self.rows[:batch], self.count[:batch]), sm_scale,
+            num_kv_splits=splits, workspace=self.workspace, out=out, launch=STAGE1_SELECTED,
         )  # fmt: skip
         return out
 
@@ -211,24 +207,20 @@ class SharedSlotTables:
         batch = reader_of_entry.shape[0]
         torch.add(self._entries[:batch], self._first_row[reader_of_entry], out=self.rows[:batch])
 
-    def attend(self, q, k_buffer, v_buffer, sm_scale: float, logits=None):
-        """(out, lse) of q [batch, q_heads, dim] over each entry's row of its reader's table;
-        ``logits`` as split_kv_decode's. Under the whole-cache launch, unlike a SlotTable's: a
-        reader's table may be Lethe's retained set, thousands of entries long."""
+    def attend(self, q, kv: KVView, sm_scale: float, logits=None):
+        """(out, lse) of q [batch, q_heads, dim] over each entry's row of its reader's table, in
+        ``kv``'s buffers; ``logits`` as split_kv_decode's. Under the whole-cache launch, unlike a
+        SlotTable's: a reader's table may be Lethe's retained set, thousands of entries long."""
         batch = q.shape[0]
         return split_kv_decode(
-            q, k_buffer, v_buffer, self._slots, self.rows[:batch], self._count, sm_scale,
+            q, kv.through(self._slots, self.rows[:batch], self._count), sm_scale,
             logits=logits, workspace=self.workspace, lengths_by_row=True,
         )  # fmt: skip
 
 
 def sparse_decode_attention(
     q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
+    kv: KVView,
     selected: torch.Tensor,
     num_selected: torch.Tensor,
     sm_scale: float,
@@ -241,17 +233,13 @@ def sparse_decode_attention(
     q_heads, dim] in q's dtype; the arithmetic is fp32."""
     if table is None:
         table = SlotTable(q.shape[0], selected.shape[1] * page_size, q.device)
-    table.gather(req_to_token, req_pool_indices, seq_lens, selected, num_selected, page_size)
-    return table.attend(q, k_buffer, v_buffer, sm_scale)
+    table.gather(kv, selected, num_selected, page_size)
+    return table.attend(q, kv, sm_scale)
 
 
 def sparse_decode_attention_ref(
     q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
+    kv: KVView,
     selected: torch.Tensor,
     num_selected: torch.Tensor,
     sm_scale: float,
@@ -261,12 +249,10 @@ def sparse_decode_attention_ref(
     out = torch.empty_like(q)
     offsets = torch.arange(page_size, device=q.device)
     for b, (req, seq_len, count) in enumerate(
-        zip(req_pool_indices.tolist(), seq_lens.tolist(), num_selected.tolist())
+        zip(kv.rows.tolist(), kv.lengths.tolist(), num_selected.tolist())
     ):
         positions = (selected[b, :count, None].long() * page_size + offsets).flatten()
         positions = positions[positions < seq_len]
-        out_b, _ = attend_positions_ref(
-            q[b], k_buffer, v_buffer, req_to_token[req, positions].long(), sm_scale
-        )
+        out_b, _ = attend_positions_ref(q[b], kv.k, kv.v, kv.table[req, positions].long(), sm_scale)
         out[b] = out_b.to(q.dtype)
     return out

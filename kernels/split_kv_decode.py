@@ -4,10 +4,11 @@ Mirrors SGLang's triton decode kernel (sglang/kernels/ops/attention/decode_atten
 gives each (request, KV head, split) program one slice of the request's tokens and all query heads
 of that KV group; it writes a partial output and its log-sum-exp. Stage 2 merges the splits by LSE
 (or, over few splits, the last of a group's stage-1 programs to finish does: no second launch).
-Differences: tokens are addressed by logical position through `req_to_token` (optionally through a
-per-request list of selected pages or tokens), every split always writes (an empty one writes
-LSE = -inf), the final LSE is returned, and stage 1 can also store the scaled logits q·k for
-scoring. Lengths stay on the device and grids depend on shapes only: launches are CUDA-graph safe.
+Differences: tokens are addressed by logical position through `req_to_token` (a ``KVView``'s
+table; optionally through a per-request list of selected pages or tokens), every split always
+writes (an empty one writes LSE = -inf), the final LSE is returned, and stage 1 can also store the
+scaled logits q·k for scoring. Lengths stay on the device and grids depend on shapes only: launches
+are CUDA-graph safe. The tile step is kernels/tile.py's, shared with ART's kernel.
 """
 
 import dataclasses
@@ -17,6 +18,17 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from .kv_view import KVView
+from .tile import (
+    empty_state,
+    fold_tile,
+    load_query,
+    raise_max,
+    store_split,
+    tile_logits,
+    tile_values,
+)
 
 _BLOCK_N = 32  # the split granularity, like SGLang's MIN_BLOCK_KV
 # A grid of about this many programs per SM hides memory latency; a fixed split count left most
@@ -145,16 +157,9 @@ def _stage1(
             logits_end = logits_len
     end = tl.minimum(start + per_split, length)
 
-    q = tl.load(
-        Q + batch * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_h[:, None] & mask_d[None, :],
-        other=0.0,
-    )
-    q = q.to(tl.float32) if DOT_IN_FP32 else q.to(K.dtype.element_ty)
+    q = load_query(Q, K, batch, heads, stride_qb, stride_qh, mask_h, offs_d, mask_d, DOT_IN_FP32)
 
-    e_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    e_sum = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    e_max, e_sum, acc = empty_state(BLOCK_H, BLOCK_D)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         in_split = offs_n < end
@@ -166,15 +171,10 @@ def _stage1(
         valid = in_split & (pos < seq_len)  # the last selected page may be partial
         slot = tl.load(req_row + pos, mask=valid, other=0).to(tl.int64)
 
-        k = tl.load(
-            K + slot[None, :] * stride_k_slot + kv_head * stride_k_head + offs_d[:, None],
-            mask=valid[None, :] & mask_d[:, None],
-            other=0.0,
-        )
-        if DOT_IN_FP32:
-            k = k.to(tl.float32)
-        qk = tl.dot(q, k) * sm_scale
-        qk = tl.where(mask_h[:, None] & valid[None, :], qk, float("-inf"))
+        qk = tile_logits(
+            q, K, slot, valid, kv_head, stride_k_slot, stride_k_head, mask_h, offs_d, mask_d,
+            sm_scale, DOT_IN_FP32,
+        )  # fmt: skip
         if STORE_LOGITS:
             tl.store(
                 Logits + logits_row + heads[:, None] * stride_lg_h + pos[None, :],
@@ -182,32 +182,13 @@ def _stage1(
                 mask=mask_h[:, None] & valid[None, :] & (pos[None, :] < logits_end),
             )
 
-        v = tl.load(
-            V + slot[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
-            mask=valid[:, None] & mask_d[None, :],
-            other=0.0,
-        )
-        new_max = tl.maximum(e_max, tl.max(qk, 1))
-        # A row with no valid token yet keeps max -inf; shift by 0 then so exp() gives 0, not NaN.
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        rescale = tl.exp(e_max - shift)
-        p = tl.exp(qk - shift[:, None])
-        if DOT_IN_FP32:
-            acc = acc * rescale[:, None] + tl.dot(p, v.to(tl.float32))
-        else:
-            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
-        e_sum = e_sum * rescale + tl.sum(p, 1)
-        e_max = new_max
+        v = tile_values(V, slot, valid, kv_head, stride_v_slot, stride_v_head, offs_d, mask_d)
+        e_max, e_sum, acc = fold_tile(e_max, e_sum, acc, qk, v, DOT_IN_FP32)
 
-    mid = batch * stride_mid_b + heads * stride_mid_h + split * stride_mid_s
-    has_tokens = e_sum > 0
-    tl.store(
-        MidO + mid[:, None] + offs_d[None, :],
-        acc / tl.where(has_tokens, e_sum, 1.0)[:, None],
-        mask=mask_h[:, None] & mask_d[None, :],
-    )
-    lse = tl.where(has_tokens, e_max + tl.log(tl.where(has_tokens, e_sum, 1.0)), float("-inf"))
-    tl.store(MidLse + batch * stride_lse_b + heads * stride_lse_h + split, lse, mask=mask_h)
+    store_split(
+        MidO, MidLse, e_max, e_sum, acc, batch, heads, split, stride_mid_b, stride_mid_h,
+        stride_mid_s, stride_lse_b, stride_lse_h, mask_h, offs_d, mask_d,
+    )  # fmt: skip
     if MERGE_SPLITS > 0:
         # Every warp's partial is stored before the count is released (at GPU scope); the
         # program that brings the count to the split count reads all of them after acquiring it.
@@ -249,9 +230,7 @@ def _merge_group(
         split_out = tl.load(
             out_rows + s * stride_mid_s, mask=mask_hd, other=0.0, cache_modifier=".cg"
         )
-        new_top = tl.maximum(top, split_lse)
-        shift = tl.where(new_top == float("-inf"), 0.0, new_top)
-        rescale = tl.exp(top - shift)
+        new_top, shift, rescale = raise_max(top, split_lse)
         weight = tl.exp(split_lse - shift)
         merged = merged * rescale[:, None] + weight[:, None] * split_out
         total = total * rescale + weight
@@ -377,11 +356,7 @@ class SplitKVWorkspace:
 
 def split_kv_decode(
     q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
+    kv: KVView,
     sm_scale: float,
     *,
     selected: torch.Tensor | None = None,
@@ -396,21 +371,22 @@ def split_kv_decode(
     launch: Stage1Launch | None = None,
     lengths_by_row: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention of q [batch, q_heads, dim] over each request's cache.
+    """Decode attention of q [batch, q_heads, dim] over each request's tokens in ``kv``.
 
     Returns (out [batch, q_heads, dim] in q's dtype, lse [batch, q_heads] fp32). With `selected`
     ([rows, max_selected] int32) and `num_selected` ([batch] int32), request b attends only to the
     logical positions selected[r, j] * selected_span + s (j < num_selected[b], s < selected_span,
-    position < seq_len), where r = selected_rows[b] (int64 [batch]) or, without it, b. With `logits`
-    ([batch, q_heads, logits_len] fp32), the scaled q·k of every attended position below logits_len
-    is stored there; other entries are left untouched. With `logits_row_start` ([batch] int64) the
-    rows are ragged: `logits` is [q_heads, capacity] and request b's position p is at column
-    logits_row_start[b] + p (stored below capacity). `num_kv_splits` defaults to
+    position < its length), where r = selected_rows[b] (int64 [batch]) or, without it, b. With
+    `logits` ([batch, q_heads, logits_len] fp32), the scaled q·k of every attended position below
+    logits_len is stored there; other entries are left untouched. With `logits_row_start`
+    ([batch] int64) the rows are ragged: `logits` is [q_heads, capacity] and request b's position
+    p is at column logits_row_start[b] + p (stored below capacity). `num_kv_splits` defaults to
     num_kv_splits_for's choice (the workspace's, with one); a `workspace` supplies the scratch.
     `launch` defaults to STAGE1_SELECTED with a selection, else STAGE1_WHOLE. With
-    `lengths_by_row` request b's length is seq_lens[req_pool_indices[b]], not seq_lens[b].
+    `lengths_by_row` request b's length is kv.lengths[kv.rows[b]], not kv.lengths[b].
     """
     batch, num_q_heads, head_dim = q.shape
+    k_buffer, v_buffer, table, rows, lengths = kv.k, kv.v, kv.table, kv.rows, kv.lengths
     num_kv_heads = k_buffer.shape[1]
     assert num_q_heads % num_kv_heads == 0 and v_buffer.shape[-1] == head_dim == k_buffer.shape[-1]
     group = num_q_heads // num_kv_heads
@@ -422,7 +398,7 @@ def split_kv_decode(
         arrivals = workspace.arrivals(batch)
     else:
         if num_kv_splits is None:
-            most = selected.shape[1] * selected_span if sparse else req_to_token.shape[1]
+            most = selected.shape[1] * selected_span if sparse else table.shape[1]
             num_kv_splits = num_kv_splits_for(batch, num_kv_heads, most, q.device)
         f32 = {"dtype": torch.float32, "device": q.device}
         mid_out = torch.empty(batch, num_q_heads, num_kv_splits, head_dim, **f32)
@@ -433,19 +409,19 @@ def split_kv_decode(
     if num_kv_splits == 1:  # stage 1 writes the result: nothing to merge
         mid_out, mid_lse = out.unsqueeze(2), lse.unsqueeze(2)
     merge_in_last = launch.merge_in_last_split and 1 < num_kv_splits <= MAX_MERGED_SPLITS
-    selected_arg = selected if sparse else seq_lens  # unread placeholders keep the signature fixed
-    rows_arg = selected_rows if selected_rows is not None else seq_lens
+    selected_arg = selected if sparse else lengths  # unread placeholders keep the signature fixed
+    rows_arg = selected_rows if selected_rows is not None else lengths
     logits_arg = logits if logits is not None else mid_lse
     ragged = logits_row_start is not None
     lg_stride_b, lg_stride_h = (0, logits_arg.stride(0)) if ragged else logits_arg.stride()[:2]
 
     block_d = triton.next_power_of_2(head_dim)
     _stage1[(batch, num_kv_heads, num_kv_splits)](
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
-        selected_arg, rows_arg, num_selected if sparse else seq_lens, mid_out, mid_lse, logits_arg,
-        logits_row_start if ragged else seq_lens, out, lse, arrivals, sm_scale,
+        q, k_buffer, v_buffer, table, rows, lengths,
+        selected_arg, rows_arg, num_selected if sparse else lengths, mid_out, mid_lse, logits_arg,
+        logits_row_start if ragged else lengths, out, lse, arrivals, sm_scale,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
-        v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0), selected_arg.stride(0),
+        v_buffer.stride(0), v_buffer.stride(1), table.stride(0), selected_arg.stride(0),
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         lg_stride_b, lg_stride_h, out.stride(0), out.stride(1), logits_arg.shape[-1],

@@ -66,10 +66,9 @@ class Art(KVPolicy):
     def reads_tiles(self) -> bool:
         return True
 
-    def request_values(self, chosen: Art | None) -> tuple[float, ...]:
-        if chosen is None:
-            return (self.tau, self.phi, 0)
-        return (chosen.tau, chosen.phi, chosen.patience)
+    def request_columns(self, chosen: Art | None) -> dict[str, int | float]:
+        own = chosen or dataclasses.replace(self, patience=0)  # opted out: it reads every tile
+        return {"tau": own.tau, "phi": own.phi, "patience": own.patience}
 
     def kernel_params(self) -> dict[str, Any]:
         return {
@@ -91,23 +90,23 @@ class Art(KVPolicy):
 
     def read(
         self, q, ctx: DecodeContext, layer, forward_batch, scratch=None, tile_counts=None,
-        request_values=None, **order,
+        request_table=None, **order,
     ):  # fmt: skip
         """ART's decode attention of q [batch, heads, dim] over the layer's cache (all of it
         recent-first, or ``order``/``num_order``/``order_span``/``always_read``); with
-        ``request_values``, each request's own (tau, phi, patience) from its row; with
+        ``request_table``, each request's own (tau, phi, patience) from its row; with
         ``scratch`` (``Art.scratch``), the kernel's buffers owned up front; the tiles it reads
         counted into ``tile_counts``."""
         from sglang_ext.kernels import art_decode as art
+        from sglang_ext.kernels.kv_view import KVView
 
         attend = art.art_decode if q.is_cuda else art.art_decode_ref
-        pool = ctx.kv_pool
+        kv = KVView.of_layer(ctx.kv_pool, layer.layer_id, ctx.req_to_token, forward_batch)
         order.setdefault("always_read", self.sink_tokens)
         out, _ = attend(
-            q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
-            ctx.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
-            layer.scaling, **self.kernel_params(), **order, **(scratch or {}),
-            tile_counts=tile_counts, request_params=request_values,
+            q, kv, layer.scaling, **self.kernel_params(), **order, **(scratch or {}),
+            tile_counts=tile_counts,
+            request_columns=None if request_table is None else request_table.columns,
         )  # fmt: skip
         return out
 
@@ -116,14 +115,14 @@ class Art(KVPolicy):
     ) -> DecodeFn:
         """Full attention read through ART; ``per_request``: each request's own parameters."""
         scratch = self.scratch(ctx)
-        values = inputs.request_values if per_request else None
+        table = inputs.request_table if per_request else None
 
         def decode(q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
             if save_kv_cache and k is not None and v is not None:
                 ctx.write_kv(layer, forward_batch, k, v)
             q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
             out = self.read(
-                q, ctx, layer, forward_batch, scratch, inputs.tile_counts, values
+                q, ctx, layer, forward_batch, scratch, inputs.tile_counts, table
             )
             return out.view(q.shape[0], -1)
 

@@ -70,10 +70,11 @@ class KVPolicy:
             return {self.name: self, FULL: None}
         return {self.name: self}
 
-    def request_values(self, chosen: KVPolicy | None) -> tuple[float, ...]:
-        """The values its decode reads per request (``DecodeInputs.request_values``) for a
-        request decoding under ``chosen`` (None: it opted out); () when it reads none."""
-        return ()
+    def request_columns(self, chosen: KVPolicy | None) -> dict[str, int | float]:
+        """The values its decode reads per request (``DecodeInputs.request_table``), by column,
+        for a request decoding under ``chosen`` (None: it opted out); empty when it reads none.
+        An int stays an int column (policies.request_table)."""
+        return {}
 
     def for_model(self, ctx: DecodeContext) -> KVPolicy:
         """This policy with parameters left to the model (unset layer lists) filled in."""

@@ -94,10 +94,9 @@ class DecodeContext:
 class DecodeInputs:
     """What a policy's runtime owns and hands the decode it builds, beyond the engine's view."""
 
-    # float32 [request slots, len(request_values)]: each request's own values of the policy's
-    # per-request decode parameters, by req_pool_indices (sglang_ext.request_policy); None when
-    # the policy has none
-    request_values: Any = None
+    # each request slot's own values of the policy's per-request decode parameters
+    # (policies.request_table.RequestTable, a named column each); None when it has none
+    request_table: Any = None
     # int64 [2] on the device: [tiles read, tiles in the traversal] of ART's reads (metrics)
     tile_counts: Any = None
     # ART (policies.art.Art) when it reads for this policy (BASE+art): sparse layers read their

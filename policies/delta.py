@@ -85,8 +85,8 @@ def page_sums(token_scores: torch.Tensor) -> torch.Tensor:
     return page_scores_ref(rows, PAGE_SIZE).view(*token_scores.shape[:-1], -1)
 
 
-def _reference_attention(*cache, sm_scale):
+def _reference_attention(q, kv, *, sm_scale):
     from sglang_ext.kernels import selection_attention as sa
 
-    out, token_scores = sa.selection_attention_ref(*cache, sm_scale=sm_scale)
+    out, token_scores = sa.selection_attention_ref(q, kv, sm_scale=sm_scale)
     return out, token_scores, page_sums(token_scores)

@@ -24,6 +24,7 @@ import dataclasses
 from typing import Any
 
 import torch
+from sglang_ext.kernels.kv_view import KVView
 from sglang_ext.kernels.sparse_decode import SharedSlotTables
 from sglang_ext.policies.base import (
     DecodeContext,
@@ -236,8 +237,8 @@ class MixRuntime(PolicyRuntime):
             q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
             batch, lid = q.shape[0], layer.layer_id
             out, lse = tables.attend(
-                q, pool.get_key_buffer(lid), pool.get_value_buffer(lid), layer.scaling,
-                logits=None if logits is None else logits[:batch],
+                q, KVView.of_layer(pool, lid, self.ctx.req_to_token, forward_batch),
+                layer.scaling, logits=None if logits is None else logits[:batch],
             )  # fmt: skip
             for after in afters:
                 after(lse, batch)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sglang_ext.policies.context import DecodeContext, DecodeFn, DecodeInputs, DecodeProgram
+from sglang_ext.policies.request_table import RequestTable, TableRows
 
 if TYPE_CHECKING:
     from sglang_ext.policies.base import KVPolicy
@@ -94,8 +95,8 @@ class StepPlan:
     requests: list[StepRequest]
     rounds: list[StepRequest] = dataclasses.field(default_factory=list)  # due for eviction
     correction: Any = None  # sglang_ext.policies.tidal.cache_correction.CorrectionPlan
-    # prefill: (request slots, their rows of the runtime's request_values), on the host
-    request_values: tuple[torch.Tensor, torch.Tensor] | None = None
+    # prefill: its requests' rows of the runtime's request table, on the host
+    request_rows: TableRows | None = None
     batch_tokens: int = 0  # decode: the tokens its requests hold (a shared prefix per request)
 
 
@@ -116,7 +117,7 @@ class PolicyRuntime:
     def __init__(self, policy: KVPolicy, ctx: DecodeContext, shared: DecodeInputs | None = None):
         self.policy, self.ctx = policy, ctx
         self.inputs = self.decode_inputs(policy, ctx, shared or DecodeInputs())
-        self.request_values = self.inputs.request_values
+        self.request_table = self.inputs.request_table
         self.tile_counts = self.inputs.tile_counts
         program = self.build_program()
         self.decode_fns: list[DecodeFn] = program.layers
@@ -131,16 +132,13 @@ class PolicyRuntime:
         """What this runtime owns for its decode: every request slot's row of per-request values
         (the server's until a request's prefill writes its own), ART's tile counters where
         ``shared`` (what a policy mix shares among its members) has none."""
-        defaults = policy.request_values(policy)
+        defaults = policy.request_columns(policy)
         rows = ctx.req_to_token.shape[0]
-        table = (
-            torch.tensor([defaults] * rows, dtype=torch.float32, device=ctx.device)
-            if defaults else None
-        )  # fmt: skip
+        table = RequestTable(defaults, rows, ctx.device) if defaults else None
         counts = shared.tile_counts
         if counts is None and policy.reads_tiles():
             counts = torch.zeros(2, dtype=torch.int64, device=ctx.device)
-        return dataclasses.replace(shared, request_values=table, tile_counts=counts)
+        return dataclasses.replace(shared, request_table=table, tile_counts=counts)
 
     def build_program(self) -> DecodeProgram:
         """The policy's decode program (``KVPolicy.decode_program``); a runtime that decodes
@@ -161,7 +159,7 @@ class PolicyRuntime:
     # per step ---------------------------------------------------------------------------------
     def plan_step(self, requests: list[StepRequest], decode: bool) -> StepPlan:
         if not decode:
-            return StepPlan(False, requests, request_values=self._request_values(requests))
+            return StepPlan(False, requests, request_rows=self._request_rows(requests))
         correction = None if self.plan_correction is None else self.plan_correction(requests)
         batch_tokens = sum(r.seq_len for r in requests)
         return StepPlan(True, requests, correction=correction, batch_tokens=batch_tokens)
@@ -171,9 +169,8 @@ class PolicyRuntime:
         if plan.decode:  # every reservation made, whichever says the graph cannot take the step
             fits = [reserve(plan.batch_tokens) for reserve in self.reservations]
             self.graphable = all(fits)
-        if plan.request_values is not None:  # a prefill: its requests' own decode values
-            table, (rows, values) = self.request_values, plan.request_values
-            table[rows.to(table.device)] = values.to(table.device)
+        if plan.request_rows is not None:  # a prefill: its requests' own decode values
+            self.request_table.write(plan.request_rows)
         if plan.correction is not None:
             engine.rerun_extend(plan.correction, forward_batch)
             if self.stats.corrections == 0:
@@ -213,9 +210,8 @@ class PolicyRuntime:
         own (Lethe's per-layer memory); None where every layer attends alike. For metrics."""
         return None
 
-    def _request_values(self, requests: list[StepRequest]):
-        if self.request_values is None or not requests:
+    def _request_rows(self, requests: list[StepRequest]) -> TableRows | None:
+        if self.request_table is None or not requests:
             return None
-        values = [self.policy.request_values(r.state.policy) for r in requests]
-        rows = torch.tensor([r.row for r in requests], dtype=torch.int64)
-        return rows, torch.tensor(values, dtype=self.request_values.dtype)
+        values = [self.policy.request_columns(r.state.policy) for r in requests]
+        return self.request_table.plan([r.row for r in requests], values)

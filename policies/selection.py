@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import torch
+from sglang_ext.kernels.kv_view import KVView
 from sglang_ext.kernels.sparse_decode import SlotTable, TableRead, sparse_decode_attention_ref
 from sglang_ext.kernels import selection_attention as sa
 from sglang_ext.policies.base import (
@@ -102,8 +103,8 @@ class SelectionPolicy(KVPolicy):
                 f"got {getattr(chosen, self.budget_field)}",
             )
 
-    def request_values(self, chosen: SelectionPolicy | None) -> tuple[float, ...]:
-        return (getattr(chosen, self.budget_field),)
+    def request_columns(self, chosen: SelectionPolicy | None) -> dict[str, int | float]:
+        return {self.budget_field: getattr(chosen or self, self.budget_field)}
 
     def validate(self) -> None:
         budget, recent = getattr(self, self.budget_field), getattr(self, self.recent_field)
@@ -192,7 +193,7 @@ class SelectionPolicy(KVPolicy):
     def decode_program(self, ctx: DecodeContext, inputs: DecodeInputs) -> DecodeProgram:
         policy = self.for_model(ctx)
         selection = policy.selection(ctx, importance_ordered=inputs.art is not None)
-        decoder = SelectionDecoder(policy.name, selection, ctx, inputs)
+        decoder = SelectionDecoder(policy.name, selection, ctx, inputs, policy.budget_field)
         by_role = {
             LayerRole.FULL: ctx.base_decode,
             LayerRole.SELECT: decoder.select_decode,
@@ -225,10 +226,12 @@ class SelectionDecoder:
     a CUDA graph can capture it."""
 
     def __init__(
-        self, policy_name: str, selection: Selection, ctx: DecodeContext, inputs: DecodeInputs
-    ):
+        self, policy_name: str, selection: Selection, ctx: DecodeContext, inputs: DecodeInputs,
+        budget_column: str,
+    ):  # fmt: skip
         self.policy_name, self.rule, self.ctx = policy_name, selection, ctx
-        self.art, self.request_values = inputs.art, inputs.request_values
+        self.budget_column = budget_column  # the request table's column of each one's budget
+        self.art, self.request_table = inputs.art, inputs.request_table
         self.tile_counts = inputs.tile_counts
         self.selected = torch.zeros(
             ctx.max_batch_size, selection.budget, dtype=torch.int32, device=ctx.device
@@ -241,8 +244,9 @@ class SelectionDecoder:
         self._table = None if reads_art else _slot_table(ctx, selection, inputs.table_share)
         self._art_scratch = self.art.scratch(ctx) if reads_art else None
         self.step_setups = selection.step_setups
-        if self.request_values is not None:
-            self.row_budget = torch.zeros(ctx.max_batch_size, device=ctx.device)
+        if self.request_table is not None:
+            int32 = {"dtype": torch.int32, "device": ctx.device}
+            self.row_budget = torch.zeros(ctx.max_batch_size, **int32)
             self.step_setups = (*self.step_setups, self._gather_row_budgets)
         self._shares_table = inputs.table_share is not None
         self._first_trim_unlogged = True
@@ -253,8 +257,8 @@ class SelectionDecoder:
         return self._table is not None and self._shares_table
 
     def select_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        q, cache = self._begin(q, k, v, layer, forward_batch, save_kv_cache)
-        out, token_scores, page_scores = self.rule.attend_and_score(*cache, sm_scale=layer.scaling)
+        q, kv = self._begin(q, k, v, layer, forward_batch, save_kv_cache)
+        out, token_scores, page_scores = self.rule.attend_and_score(q, kv, sm_scale=layer.scaling)
         if self.ctx.ranks is not None:
             # Each rank scored its own heads; the max over all heads makes every rank select alike.
             token_scores, page_scores = self.ctx.ranks.max(token_scores), None
@@ -266,7 +270,7 @@ class SelectionDecoder:
         )  # fmt: skip
         if self._table is not None:
             self._table.gather(
-                *cache[3:], self.selected[:batch], self.num_selected[:batch], self.rule.page_size
+                kv, self.selected[:batch], self.num_selected[:batch], self.rule.page_size
             )
         if self._first_trim_unlogged and self._trims(forward_batch):
             self._log_selection(layer.layer_id, forward_batch.seq_lens, self.num_selected[:batch])
@@ -274,11 +278,11 @@ class SelectionDecoder:
 
     def _gather_row_budgets(self, forward_batch) -> None:
         rows = forward_batch.req_pool_indices
-        budgets = self.request_values[:, 0]
+        budgets = self.request_table[self.budget_column]
         torch.index_select(budgets, 0, rows, out=self.row_budget[: rows.shape[0]])
 
     def sparse_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        q, cache = self._begin(q, k, v, layer, forward_batch, save_kv_cache)
+        q, kv = self._begin(q, k, v, layer, forward_batch, save_kv_cache)
         batch = q.shape[0]
         if self.art is not None:  # the selection is importance-ordered: ART reads it so
             out = self.art.read(
@@ -290,9 +294,10 @@ class SelectionDecoder:
             )  # fmt: skip
             return out.view(batch, -1)
         if self._table is not None:
-            return self._table.attend(*cache[:3], layer.scaling).view(batch, -1)
+            return self._table.attend(q, kv, layer.scaling).view(batch, -1)
         out = sparse_decode_attention_ref(
-            *cache,
+            q,
+            kv,
             self.selected[:batch],
             self.num_selected[:batch],
             sm_scale=layer.scaling,
@@ -301,20 +306,12 @@ class SelectionDecoder:
         return out.view(batch, -1)
 
     def _begin(self, q, k, v, layer, forward_batch, save_kv_cache):
-        """Store the new token's K/V; return q as [batch, heads, dim] and the cache arguments."""
+        """Store the new token's K/V; return q as [batch, heads, dim] and the layer's KV view."""
         if save_kv_cache and k is not None and v is not None:
             self.ctx.write_kv(layer, forward_batch, k, v)
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        pool = self.ctx.kv_pool
-        cache = (
-            q,
-            pool.get_key_buffer(layer.layer_id),
-            pool.get_value_buffer(layer.layer_id),
-            self.ctx.req_to_token,
-            forward_batch.req_pool_indices,
-            forward_batch.seq_lens,
-        )
-        return q, cache
+        kv = KVView.of_layer(self.ctx.kv_pool, layer.layer_id, self.ctx.req_to_token, forward_batch)
+        return q, kv
 
     def _trims(self, forward_batch) -> bool:
         """Whether a request of the batch has more units than the budget (judged on the host copy

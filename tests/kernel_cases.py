@@ -5,6 +5,7 @@ interpreter (conftest.py switches it on before anything imports triton).
 import os
 
 import torch
+from sglang_ext.kernels.kv_view import KVView
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 # Kernel outputs against the fp32 torch references.
@@ -15,7 +16,8 @@ OUT_TOL = {
 
 
 def make_batch(dtype, seq_lens=(5, 37, 70), num_kv_heads=2, group=3, head_dim=64, max_context=96):
-    """A decode batch in SGLang's layout: shuffled request pool rows, scattered token slots."""
+    """A decode batch in SGLang's layout: shuffled request pool rows, scattered token slots, as
+    the kernels' leading arguments: {"q": q, "kv": KVView}, and the softmax scale."""
     gen = torch.Generator().manual_seed(0)
     num_rows = len(seq_lens) + 1
     num_slots = num_rows * max_context + 7
@@ -24,15 +26,14 @@ def make_batch(dtype, seq_lens=(5, 37, 70), num_kv_heads=2, group=3, head_dim=64
     q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)
     slots = torch.randperm(num_slots, generator=gen)[: num_rows * max_context]
     req_to_token = slots.view(num_rows, max_context)
-    batch = {
-        "q": q,
-        "k_buffer": k_buffer,
-        "v_buffer": v_buffer,
-        "req_to_token": req_to_token.int(),
-        "req_pool_indices": torch.randperm(num_rows, generator=gen)[: len(seq_lens)].int(),
-        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
-    }
-    return {name: t.to(DEVICE) for name, t in batch.items()}, head_dim**-0.5
+    kv = KVView(
+        k_buffer.to(DEVICE),
+        v_buffer.to(DEVICE),
+        req_to_token.int().to(DEVICE),
+        torch.randperm(num_rows, generator=gen)[: len(seq_lens)].int().to(DEVICE),
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+    )
+    return {"q": q.to(DEVICE), "kv": kv}, head_dim**-0.5
 
 
 def selection_scores(batch, sm_scale, use_probs=True, rows=None, num_kv_splits=None):
@@ -46,7 +47,7 @@ def selection_scores(batch, sm_scale, use_probs=True, rows=None, num_kv_splits=N
         ragged_selection_attention,
     )
 
-    seq_lens, width = batch["seq_lens"], batch["req_to_token"].shape[1]
+    seq_lens, width = batch["kv"].lengths, batch["kv"].table.shape[1]
     if rows is None:
         fits = int(seq_lens.sum())
         rows = ScoreRows(fits, len(seq_lens), batch["q"].shape[1], DEVICE, pages=use_probs)

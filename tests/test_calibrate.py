@@ -10,6 +10,7 @@ import torch
 from sglang_ext.tools import agreement as ag
 from sglang_ext.tools import attention_trace as at
 from sglang_ext.tools import calibrate
+from sglang_ext.kernels.kv_view import KVView
 from sglang_ext.policies import build_policy
 from sglang_ext.policies.calibration import find_calibration, model_fingerprint
 from sglang_ext.policies.selection import LayerRole
@@ -85,12 +86,12 @@ def test_token_scores_are_those_of_the_engines_selection_layers(trace, name, fie
     slots = trace.keys.shape[1]
     for step, layer in ((0, 2), (STEPS - 1, LAYERS - 1)):
         seq_len = trace.seq_lens[step]
-        cache = (
-            trace.queries[step, layer][None], trace.keys[layer], trace.keys[layer],
-            torch.arange(slots, dtype=torch.int32)[None], torch.zeros(1, dtype=torch.int64),
-            torch.tensor([seq_len]),
+        kv = KVView(
+            trace.keys[layer], trace.keys[layer], torch.arange(slots, dtype=torch.int32)[None],
+            torch.zeros(1, dtype=torch.int64), torch.tensor([seq_len]),
         )  # fmt: skip
-        _, token_scores, _ = rule.attend_and_score(*cache, sm_scale=trace.sm_scale)
+        q = trace.queries[step, layer][None]
+        _, token_scores, _ = rule.attend_and_score(q, kv, sm_scale=trace.sm_scale)
         replayed = at.TOKEN_SCORES[policy.score](trace.logits(step, layer))
         torch.testing.assert_close(replayed, token_scores[0, :seq_len])
 

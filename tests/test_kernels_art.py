@@ -40,11 +40,12 @@ def all_tiles(seq_len: int) -> list[int]:
 def heavy_head_tile(batch, always_read: int = 4, boost: float = 60.0):
     """Keys of every request's head tile (its sinks and most recent tokens) aligned with its
     queries, so the rest of the cache carries next to no attention mass."""
-    q, k_buffer = batch["q"], batch["k_buffer"]
+    q, kv = batch["q"], batch["kv"]
+    k_buffer = kv.k
     num_kv_heads = k_buffer.shape[1]
-    for b, (row, seq_len) in enumerate(zip(batch["req_pool_indices"], batch["seq_lens"].tolist())):
+    for b, (row, seq_len) in enumerate(zip(kv.rows, kv.lengths.tolist())):
         head = traversal_positions(seq_len, always_read)[:TILE]
-        slots = batch["req_to_token"][row, head.to(DEVICE)].long()
+        slots = kv.table[row, head.to(DEVICE)].long()
         for g in range(num_kv_heads):
             direction = q[b].view(num_kv_heads, -1, q.shape[-1])[g].float().mean(0)
             k_buffer[slots, g] = (boost * direction / direction.norm()).to(k_buffer.dtype)
@@ -100,10 +101,11 @@ def test_error_stays_within_the_truncation_bound():
     assert torch.equal(tiles.cpu(), tiles_ref)
     assert int(tiles[:2].sum()) < sum(2 * sum(all_tiles(n)) for n in SEQ_LENS[:2])
     full, _ = selection_attention_ref(**batch, sm_scale=sm_scale)
-    c_v = batch["v_buffer"].float().norm(dim=-1).max()
-    for b, (row, seq_len) in enumerate(zip(batch["req_pool_indices"], SEQ_LENS)):
-        slots = batch["req_to_token"][row, :seq_len].long()
-        _, logits = attend_positions_ref(batch["q"][b], batch["k_buffer"], batch["v_buffer"], slots, sm_scale)
+    kv = batch["kv"]
+    c_v = kv.v.float().norm(dim=-1).max()
+    for b, (row, seq_len) in enumerate(zip(kv.rows, SEQ_LENS)):
+        slots = kv.table[row, :seq_len].long()
+        _, logits = attend_positions_ref(batch["q"][b], kv.k, kv.v, slots, sm_scale)
         order = traversal_positions(seq_len, 4).split(TILE)
         for g in range(2):
             shares = [range(s, len(order), SPLITS)[: tiles[b, g, s]] for s in range(SPLITS)]
@@ -186,11 +188,18 @@ def test_each_request_may_have_its_own_tau_phi_patience():
     """A table by request pool row; patience 0 in a row is full attention for that request."""
     batch, sm_scale = cache()
     heavy_head_tile(batch)
-    rows = batch["req_pool_indices"].tolist()
-    table = torch.tensor([[1e-5, 1e-3, 3.0]] * (max(rows) + 1), device=DEVICE)
-    table[rows[0], 2] = 0  # request 0 opts out
-    table[rows[1]] = torch.tensor([1e-5, 1e-3, 1.0])
-    (out, tiles), (out_ref, tiles_ref) = run_both(batch, sm_scale, patience=3, always_read=4, request_params=table)
+    rows = batch["kv"].rows.tolist()
+    slots = max(rows) + 1
+    columns = {  # typed as the request table keeps them
+        "tau": torch.full((slots,), 1e-5, device=DEVICE),
+        "phi": torch.full((slots,), 1e-3, device=DEVICE),
+        "patience": torch.full((slots,), 3, dtype=torch.int32, device=DEVICE),
+    }
+    columns["patience"][rows[0]] = 0  # request 0 opts out
+    columns["patience"][rows[1]] = 1
+    (out, tiles), (out_ref, tiles_ref) = run_both(
+        batch, sm_scale, patience=3, always_read=4, request_columns=columns
+    )
     assert torch.equal(tiles, tiles_ref)
     torch.testing.assert_close(out, out_ref, **OUT_TOL[torch.float16])
     assert tiles[0].tolist() == [all_tiles(SEQ_LENS[0])] * 2  # read it all
@@ -204,10 +213,10 @@ def test_a_workspace_and_tile_buffer_owned_up_front_give_the_allocating_result()
 
     batch, sm_scale = cache()
     heavy_head_tile(batch)
-    q = batch["q"]
-    workspace = SplitKVWorkspace(8, q.shape[1], batch["k_buffer"].shape[1], q.shape[2],
+    q, kv_heads = batch["q"], batch["kv"].k.shape[1]
+    workspace = SplitKVWorkspace(8, q.shape[1], kv_heads, q.shape[2],
                                  max_tokens=0, device=DEVICE, num_splits=SPLITS)  # fmt: skip
-    tiles_read = torch.full((8, batch["k_buffer"].shape[1], SPLITS), -1, dtype=torch.int32, device=DEVICE)
+    tiles_read = torch.full((8, kv_heads, SPLITS), -1, dtype=torch.int32, device=DEVICE)
     params = {"patience": 3, "always_read": 4}
     out, tiles = art_decode(**batch, sm_scale=sm_scale, **ART, **params, workspace=workspace, tiles_read=tiles_read)
     alone, alone_tiles = art_decode(**batch, sm_scale=sm_scale, **ART, **params)

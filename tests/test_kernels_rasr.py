@@ -23,7 +23,7 @@ def retained_state(batch, lists, num_rows):
     positions = torch.randint(0, 5, (num_rows, MAX_CONTEXT), generator=gen, dtype=torch.int32)
     count = torch.full((num_rows,), 3, dtype=torch.int32)
     scores = torch.rand(num_rows, MAX_CONTEXT, generator=gen)
-    for row, kept in zip(batch["req_pool_indices"].tolist(), lists, strict=True):
+    for row, kept in zip(batch["kv"].rows.tolist(), lists, strict=True):
         positions[row, : len(kept)] = torch.tensor(kept, dtype=torch.int32)
         count[row] = len(kept)
     return positions.to(DEVICE), count.to(DEVICE), scores.to(DEVICE)
@@ -32,7 +32,7 @@ def retained_state(batch, lists, num_rows):
 def rows_table(batch, positions, count):
     """Per-layer memory's table: each request slot's list of KV rows (here its retained
     positions' slots), by request slot."""
-    table = batch["req_to_token"].gather(1, positions.long().clamp(max=MAX_CONTEXT - 1))
+    table = batch["kv"].table.gather(1, positions.long().clamp(max=MAX_CONTEXT - 1))
     return table.to(torch.int32), count
 
 
@@ -40,21 +40,20 @@ def run_both(dtype, lists, gamma=0.9, state_rows=None, extra_rows=0):
     """The kernel over a table of rows by request slot (per-layer memory's decode) against the
     torch path through the positions (the oracle chain: both name the same KV)."""
     batch, sm_scale = make_batch(dtype, seq_lens=SEQ_LENS, max_context=MAX_CONTEXT)
-    num_rows = batch["req_to_token"].shape[0]
+    kv = batch["kv"]
+    num_rows = kv.table.shape[0]
     positions, count, scores = retained_state(batch, lists, num_rows + extra_rows)
     if extra_rows:
         count[num_rows:] = 0  # the trash row padded entries point at
-        batch["req_to_token"] = torch.cat(
-            [batch["req_to_token"], batch["req_to_token"][:extra_rows]]
-        )  # fmt: skip
-    rows = batch["req_pool_indices"].long() if state_rows is None else state_rows
+        extended = torch.cat([kv.table, kv.table[:extra_rows]])
+        batch["kv"] = kv = kv.through(extended, kv.rows, kv.lengths)
+    rows = kv.rows.long() if state_rows is None else state_rows
     table, _ = rows_table(batch, positions, count)
     scores_ref, before = scores.clone(), scores.clone()
     logits = torch.empty(len(SEQ_LENS), batch["q"].shape[1], MAX_CONTEXT, device=DEVICE)
     out = shared_retained_decode(
-        batch["q"], batch["k_buffer"], batch["v_buffer"], table, rows, count[rows], scores, rows,
-        sm_scale, gamma, logits,
-    )  # fmt: skip
+        batch["q"], kv.through(table, rows, count[rows]), scores, rows, sm_scale, gamma, logits
+    )
     out_ref = retained_decode_ref(
         **batch, positions=positions, count=count, scores=scores_ref, sm_scale=sm_scale,
         gamma=gamma, state_rows=rows,
@@ -77,7 +76,7 @@ def test_retained_lists_match_reference_and_scores_accumulate(dtype):
     batch, before, (out, scores), (out_ref, scores_ref) = run_both(dtype, lists, gamma=0.5)
     torch.testing.assert_close(out, out_ref, **OUT_TOL[dtype])
     torch.testing.assert_close(scores, scores_ref, atol=1e-4, rtol=1e-4)
-    for row, kept in zip(batch["req_pool_indices"].tolist(), lists, strict=True):
+    for row, kept in zip(batch["kv"].rows.tolist(), lists, strict=True):
         # each query head's probabilities sum to 1 over the retained tokens; old scores halve
         heads = batch["q"].shape[1]
         assert scores[row, : len(kept)].sum().item() == pytest.approx(
@@ -87,8 +86,8 @@ def test_retained_lists_match_reference_and_scores_accumulate(dtype):
 
 def test_rows_outside_the_batch_and_padding_are_untouched():
     batch, sm_scale = make_batch(torch.float16, seq_lens=SEQ_LENS, max_context=MAX_CONTEXT)
-    num_rows = batch["req_to_token"].shape[0]
-    state_rows = batch["req_pool_indices"].long().clone()
+    num_rows = batch["kv"].table.shape[0]
+    state_rows = batch["kv"].rows.long().clone()
     state_rows[1] = num_rows  # entry 1 plays CUDA-graph padding
     lists = [list(range(n)) for n in SEQ_LENS]
     batch, before, (out, scores), (out_ref, scores_ref) = run_both(
@@ -105,15 +104,15 @@ def test_rows_outside_the_batch_and_padding_are_untouched():
 def test_the_table_reference_is_the_positions_reference_over_the_same_rows():
     batch, sm_scale = make_batch(torch.float32, seq_lens=SEQ_LENS, max_context=MAX_CONTEXT)
     lists = [[0, 4], [0, 1, 2, 3, 20, 30, 36], [0, 1, *range(40, 70)]]
-    num_rows = batch["req_to_token"].shape[0]
+    kv = batch["kv"]
+    num_rows = kv.table.shape[0]
     positions, count, scores = retained_state(batch, lists, num_rows)
     table, _ = rows_table(batch, positions, count)
-    rows = batch["req_pool_indices"].long()
+    rows = kv.rows.long()
     scores_ref = scores.clone()
     out = shared_retained_decode_ref(
-        batch["q"], batch["k_buffer"], batch["v_buffer"], table, rows, count[rows], scores, rows,
-        sm_scale, 0.5,
-    )  # fmt: skip
+        batch["q"], kv.through(table, rows, count[rows]), scores, rows, sm_scale, 0.5
+    )
     out_ref = retained_decode_ref(
         **batch, positions=positions, count=count, scores=scores_ref, sm_scale=sm_scale, gamma=0.5
     )  # fmt: skip
@@ -126,30 +125,28 @@ def test_one_list_for_every_layer_gathered_once_matches_the_reference(dtype):
     """The default path on CUDA: the lists' slots gathered into a table once per step, a layer's
     attention over it; entry 1 plays CUDA-graph padding (its state row holds nothing)."""
     batch, sm_scale = make_batch(dtype, seq_lens=SEQ_LENS, max_context=MAX_CONTEXT)
-    num_rows = batch["req_to_token"].shape[0]
+    kv = batch["kv"]
+    num_rows = kv.table.shape[0]
     lists = [[0, 4], [0, 1, 2, 3, 20, 30, 36], [0, 1, *range(40, 70)]]
     positions, count, scores = retained_state(batch, lists, num_rows + 1)
     count[num_rows] = 0
-    state_rows = batch["req_pool_indices"].long().clone()
+    state_rows = kv.rows.long().clone()
     state_rows[1] = num_rows
     before, scores_ref = scores.clone(), scores.clone()
     size = len(SEQ_LENS) + 1  # buffers larger than the batch, as the runtime owns them
     table = torch.full((size, MAX_CONTEXT), -1, dtype=torch.int32, device=DEVICE)
     entry_count = torch.full((size,), -1, dtype=torch.int32, device=DEVICE)
-    gather_retained_slots(
-        batch["req_to_token"], batch["req_pool_indices"], positions, count, state_rows, table,
-        entry_count,
-    )  # fmt: skip
-    for b, (row, req) in enumerate(zip(state_rows.tolist(), batch["req_pool_indices"].tolist())):
+    gather_retained_slots(kv.table, kv.rows, positions, count, state_rows, table, entry_count)
+    for b, (row, req) in enumerate(zip(state_rows.tolist(), kv.rows.tolist())):
         n = int(count[row])
         assert int(entry_count[b]) == n
-        expected = batch["req_to_token"][req, positions[row, :n].long()]
+        expected = kv.table[req, positions[row, :n].long()]
         assert torch.equal(table[b, :n], expected)
         assert bool((table[b, n:] == -1).all())
     logits = torch.empty(size, batch["q"].shape[1], MAX_CONTEXT, device=DEVICE)
     out = shared_retained_decode(
-        batch["q"], batch["k_buffer"], batch["v_buffer"], table,
-        torch.arange(size, device=DEVICE), entry_count, scores, state_rows, sm_scale, 0.5, logits,
+        batch["q"], kv.through(table, torch.arange(size, device=DEVICE), entry_count), scores,
+        state_rows, sm_scale, 0.5, logits,
     )  # fmt: skip
     out_ref = retained_decode_ref(
         **batch, positions=positions, count=count, scores=scores_ref, sm_scale=sm_scale,

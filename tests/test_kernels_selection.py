@@ -37,8 +37,7 @@ def test_tidal_selection_matches_reference(dtype):
     out, token_scores, _ = selection_scores(batch, sm_scale, use_probs=False)
     out_ref, _ = selection_attention_ref(**batch, sm_scale=sm_scale)
     torch.testing.assert_close(out, out_ref, **OUT_TOL[dtype])
-    without_v = {name: t for name, t in batch.items() if name != "v_buffer"}
-    expected = tidal_token_scores_ref(**without_v, sm_scale=sm_scale)
+    expected = tidal_token_scores_ref(**batch, sm_scale=sm_scale)
     torch.testing.assert_close(token_scores, expected, atol=1e-3, rtol=1e-3)
 
 
@@ -47,7 +46,7 @@ def test_scores_are_padded_and_pages_may_be_partial():
     _, token_scores, page_scores = selection_scores(batch, sm_scale)
     assert token_scores.shape == (3, 96) and page_scores.shape == (3, 6)
     num_heads = batch["q"].shape[1]
-    for b, seq_len in enumerate(batch["seq_lens"].tolist()):
+    for b, seq_len in enumerate(batch["kv"].lengths.tolist()):
         tokens, pages = token_scores[b], page_scores[b]
         assert torch.isfinite(tokens).sum() == seq_len and torch.isfinite(tokens[:seq_len]).all()
         num_pages = -(-seq_len // PAGE_SIZE)
@@ -90,18 +89,17 @@ def test_output_matches_sglang_decode_kernel():
     # (The filtered warning is SGLang's kernel computing -inf - -inf in its padded head rows.)
     decode_attention = pytest.importorskip("sglang.kernels.ops.attention.decode_attention")
     batch, sm_scale = make_batch(torch.float16)
-    seq_lens, num_splits = batch["seq_lens"], 4
+    kv = batch["kv"]
+    seq_lens, num_splits = kv.lengths, 4
     kv_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
     kv_indptr[1:] = seq_lens.cumsum(0)
-    kv_indices = torch.cat(
-        [batch["req_to_token"][r, :n] for r, n in zip(batch["req_pool_indices"], seq_lens)]
-    )
+    kv_indices = torch.cat([kv.table[r, :n] for r, n in zip(kv.rows, seq_lens)])
     q = batch["q"]
     expected = torch.empty_like(q)
     decode_attention.decode_attention_fwd(
         q,
-        batch["k_buffer"],
-        batch["v_buffer"],
+        kv.k,
+        kv.v,
         expected,
         kv_indptr,
         kv_indices,
@@ -127,14 +125,13 @@ def test_ragged_rows_hold_each_requests_scores_and_nothing_else(use_probs, with_
     for buffer in (rows.logits, rows.tokens, rows.pages):
         if buffer is not None:
             buffer.fill_(float("nan"))
-    rows.place(batch["seq_lens"])
+    rows.place(batch["kv"].lengths)
     assert rows.row_start[:3].tolist() == [0, 16, 64]
     out, tokens, pages = ragged_selection_attention(
         **batch, sm_scale=sm_scale, rows=rows, use_probs=use_probs
     )
     out_ref, probs_ref = selection_attention_ref(**batch, sm_scale=sm_scale)
-    without_v = {name: t for name, t in batch.items() if name != "v_buffer"}
-    expected = probs_ref if use_probs else tidal_token_scores_ref(**without_v, sm_scale=sm_scale)
+    expected = probs_ref if use_probs else tidal_token_scores_ref(**batch, sm_scale=sm_scale)
     torch.testing.assert_close(out, out_ref, **OUT_TOL[torch.float16])
     for b, (start, seq_len) in enumerate([(0, 5), (16, 37), (64, 70)]):
         end = start + -(-seq_len // PAGE_SIZE) * PAGE_SIZE

@@ -82,16 +82,15 @@ def test_a_slot_table_gathers_the_selection_and_attends_as_the_pages_do(
     table = SlotTable(4, 50 * page_size, DEVICE, heads=(heads, 2, dim))
     assert table.workspace is not None  # owned up front: attend allocates nothing
     table.slots.fill_(-1)  # what a gather leaves past a count is never read
-    cache = [batch[k] for k in ("req_to_token", "req_pool_indices", "seq_lens")]
-    table.gather(*cache, selected, count, page_size)
-    for b, slots in enumerate(gather_selected_slots_ref(*cache, selected, count, page_size)):
+    table.gather(batch["kv"], selected, count, page_size)
+    for b, slots in enumerate(gather_selected_slots_ref(batch["kv"], selected, count, page_size)):
         assert table.count[b] == len(slots)
         assert table.slots[b, : len(slots)].tolist() == slots.tolist()
     # a sparse layer reads under the short-list launch: its splits merged by the last one's
     # program, without stage 2's launch, where their count allows it
     assert 1 < table.workspace.splits[batch["q"].shape[0]] <= skv.MAX_MERGED_SPLITS
     monkeypatch.setattr(skv, "merge_splits", lambda *args: pytest.fail("stage 2 launched"))
-    out = table.attend(batch["q"], batch["k_buffer"], batch["v_buffer"], sm_scale)
+    out = table.attend(**batch, sm_scale=sm_scale)
     expected = sparse_decode_attention_ref(
         **batch, selected=selected, num_selected=count, sm_scale=sm_scale, page_size=page_size
     )
@@ -101,22 +100,21 @@ def test_a_slot_table_gathers_the_selection_and_attends_as_the_pages_do(
 def test_shared_tables_read_each_entry_from_its_own_readers_table():
     # three readers (a policy mix's members) in one storage: pages, tokens and no table
     batch, sm_scale = make_batch(torch.bfloat16)
-    q, k, v = batch["q"], batch["k_buffer"], batch["v_buffer"]
-    cache = [batch[k] for k in ("req_to_token", "req_pool_indices", "seq_lens")]
+    q, kv = batch["q"], batch["kv"]
     tables = SharedSlotTables(3, max_batch=4, device=DEVICE, heads=(6, 2, 64))
     readers = [SlotTable(4, n, DEVICE, share=tables.shares[i]) for i, n in enumerate((64, 50))]
     tables.allocate()  # the third reader took no table; the widest is the storage's width
     assert readers[0].slots.shape == (4, 64) == readers[1].slots.shape
     pages = selection([[0], [2, 0], [4, 1, 3]], width=4)
     tokens = selection([[4, 0], [36, 3, 20, 7, 8], list(range(69, 19, -1))], width=50)
-    readers[0].gather(*cache, *pages, 16)
-    readers[1].gather(*cache, *tokens, 1)
+    readers[0].gather(kv, *pages, 16)
+    readers[1].gather(kv, *tokens, 1)
     tables.route(torch.tensor([1, 0, 2], device=DEVICE))
     logits = torch.full((3, 6, 96), float("nan"), device=DEVICE)
-    out, lse = tables.attend(q, k, v, sm_scale, logits=logits)
+    out, lse = tables.attend(q, kv, sm_scale, logits=logits)
     assert not out[2].any() and lse[2].eq(float("-inf")).all()  # a reader without a table
     tables.route(torch.tensor([1, 0, 1], device=DEVICE))
-    out, _ = tables.attend(q, k, v, sm_scale, logits=logits)
+    out, _ = tables.attend(q, kv, sm_scale, logits=logits)
     expected = [
         sparse_decode_attention_ref(**batch, selected=s, num_selected=n, sm_scale=sm_scale,
                                     page_size=size)
@@ -140,14 +138,14 @@ def test_empty_selection_outputs_zeros():
 def test_delta_and_tidal_steps_match_reference(dtype):
     batch, sm_scale = make_batch(dtype)
     _, _, page_scores = selection_scores(batch, sm_scale)
-    selected, count = select_pages(page_scores, batch["seq_lens"], budget=3, num_recent=1)
+    selected, count = select_pages(page_scores, batch["kv"].lengths, budget=3, num_recent=1)
     kwargs = dict(batch, selected=selected, num_selected=count, sm_scale=sm_scale)
     torch.testing.assert_close(
         sparse_decode_attention(**kwargs), sparse_decode_attention_ref(**kwargs), **OUT_TOL[dtype]
     )
 
     _, token_scores, _ = selection_scores(batch, sm_scale, use_probs=False)
-    selected, count = select_tokens(token_scores, batch["seq_lens"], budget=20)
+    selected, count = select_tokens(token_scores, batch["kv"].lengths, budget=20)
     kwargs = dict(batch, selected=selected, num_selected=count, sm_scale=sm_scale, page_size=1)
     torch.testing.assert_close(
         sparse_decode_attention(**kwargs), sparse_decode_attention_ref(**kwargs), **OUT_TOL[dtype]
@@ -161,7 +159,7 @@ def test_delta_step_replays_in_a_cuda_graph():
 
     def step():
         _, _, page_scores = selection_scores(batch, sm_scale, rows=rows)
-        selected, count = select_pages(page_scores, batch["seq_lens"], budget=3, num_recent=1)
+        selected, count = select_pages(page_scores, batch["kv"].lengths, budget=3, num_recent=1)
         return sparse_decode_attention(
             **batch, selected=selected, num_selected=count, sm_scale=sm_scale
         )
@@ -175,7 +173,7 @@ def test_delta_step_replays_in_a_cuda_graph():
     with torch.cuda.graph(graph):
         graph_out = step()
 
-    batch["seq_lens"].copy_(torch.tensor([9, 50, 90]))  # next step: new lengths, new queries
+    batch["kv"].lengths.copy_(torch.tensor([9, 50, 90]))  # next step: new lengths, new queries
     batch["q"].normal_()
     graph.replay()
     torch.testing.assert_close(graph_out, step(), atol=0, rtol=0)

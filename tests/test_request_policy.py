@@ -4,6 +4,7 @@ the field, and the body-size guard's arithmetic."""
 import asyncio
 
 import pytest
+import torch
 
 from sglang_ext.policies import PolicyConfigError, build_policy
 from sglang_ext.request_policy import request_policy
@@ -29,12 +30,27 @@ def test_own_parameters_override_only_those_given():
 def test_selection_budgets_and_art_thresholds_per_request_become_kernel_values():
     own = request_policy(DELTA, {"kv_policy": {"name": "delta", "budget_pages": 8}})
     assert own.budget_pages == 8 and own.recent_pages == 4
-    assert DELTA.request_values(DELTA) == (32,) and DELTA.request_values(own) == (8,)
-    assert TIDAL.request_values(request_policy(TIDAL, {"kv_policy": {"budget_tokens": 64}})) == (64,)
+    assert DELTA.request_columns(DELTA) == {"budget_pages": 32}
+    assert DELTA.request_columns(own) == {"budget_pages": 8}
+    tidal = request_policy(TIDAL, {"kv_policy": {"budget_tokens": 64}})
+    assert TIDAL.request_columns(tidal) == {"budget_tokens": 64}
     own = request_policy(ART, {"kv_policy": {"tau": 1e-3, "patience": 1}})
-    assert ART.request_values(own) == (1e-3, ART.phi, 1)
-    assert ART.request_values(request_policy(ART, {"kv_policy": {"name": "full"}})) == (ART.tau, ART.phi, 0)
-    assert LETHE.request_values(LETHE) == ()  # its own values are the scheduler's, not a kernel's
+    assert ART.request_columns(own) == {"tau": 1e-3, "phi": ART.phi, "patience": 1}
+    opted_out = request_policy(ART, {"kv_policy": {"name": "full"}})
+    assert ART.request_columns(opted_out) == {"tau": ART.tau, "phi": ART.phi, "patience": 0}
+    assert LETHE.request_columns(LETHE) == {}  # its own values are the scheduler's, not a kernel's
+
+
+def test_a_request_table_keeps_each_column_typed_and_writes_only_planned_rows():
+    from sglang_ext.policies.request_table import RequestTable
+
+    table = RequestTable({"budget_tokens": 256, "tau": 0.5}, rows=4, device="cpu")
+    assert table["budget_tokens"].dtype == torch.int32 and table["tau"].dtype == torch.float32
+    table.write(table.plan([2], [{"budget_tokens": 64, "tau": 1e-3}]))
+    assert table["budget_tokens"].tolist() == [256, 256, 64, 256]
+    assert table["tau"][2].item() == pytest.approx(1e-3) and table["tau"][0].item() == 0.5
+    with pytest.raises(TypeError):
+        RequestTable({"flag": True}, rows=1, device="cpu")
 
 
 @pytest.mark.parametrize(

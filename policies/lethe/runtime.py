@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from sglang_ext.kernels import rasr
+from sglang_ext.kernels.kv_view import KVView
 from sglang_ext.kernels.sparse_decode import TableRead
 from sglang_ext.policies.context import DecodeInputs, DecodeProgram
 from sglang_ext.policies.lethe.layer_memory import pack_rows, pooled_buffers
@@ -284,18 +285,17 @@ class LetheRuntime(PolicyRuntime):
         if self.layer_rows is not None:
             return self._decode_rows(q, lid, layer.scaling).view(q.shape[0], -1)
         if self._slot_table is not None:
+            table = (self._slot_table, self._table_rows, self._entry_count)
             out = rasr.shared_retained_decode(
-                q, pool.get_key_buffer(lid), pool.get_value_buffer(lid), self._slot_table,
-                self._table_rows, self._entry_count, self.scores[lid],
-                self.state_rows[: q.shape[0]], layer.scaling, self.policy.decay, self._logits,
-                workspace=self._workspace,
+                q, KVView(pool.get_key_buffer(lid), pool.get_value_buffer(lid), *table),
+                self.scores[lid], self.state_rows[: q.shape[0]], layer.scaling, self.policy.decay,
+                self._logits, workspace=self._workspace,
             )  # fmt: skip
             return out.view(q.shape[0], -1)
         out = rasr.retained_decode_ref(  # off CUDA: the torch path
-            q, pool.get_key_buffer(lid), pool.get_value_buffer(lid), self.ctx.req_to_token,
-            forward_batch.req_pool_indices, forward_batch.seq_lens, self.positions[lid],
-            self.count[lid], self.scores[lid], layer.scaling, self.policy.decay,
-            self.state_rows[: q.shape[0]],
+            q, KVView.of_layer(pool, lid, self.ctx.req_to_token, forward_batch),
+            self.positions[lid], self.count[lid], self.scores[lid], layer.scaling,
+            self.policy.decay, self.state_rows[: q.shape[0]],
         )  # fmt: skip
         return out.view(q.shape[0], -1)
 
@@ -303,15 +303,15 @@ class LetheRuntime(PolicyRuntime):
         """Per-layer memory: each entry attends over its layer's entries' rows."""
         batch = q.shape[0]
         rows, state_rows = self.layer_rows[lid], self.state_rows[:batch]
-        args = (q, self.pooled.keys, self.pooled.values, rows, state_rows)
-        counts, scores = self._entry_counts[lid], self.scores[lid]
+        kv = KVView(self.pooled.keys, self.pooled.values, rows, state_rows, self._entry_counts[lid])
+        scores = self.scores[lid]
         if q.is_cuda:
             return rasr.shared_retained_decode(
-                *args, counts, scores, state_rows, scaling, self.policy.decay, self._logits,
+                q, kv, scores, state_rows, scaling, self.policy.decay, self._logits,
                 workspace=self._workspace,
             )  # fmt: skip
         return rasr.shared_retained_decode_ref(
-            *args, counts[:batch], scores, state_rows, scaling, self.policy.decay
+            q, kv, scores, state_rows, scaling, self.policy.decay
         )
 
     def reset_rows(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:

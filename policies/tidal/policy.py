@@ -92,14 +92,10 @@ class TidalPolicy(SelectionPolicy):
         )  # fmt: skip
 
 
-def _reference_attention(*cache, sm_scale, score):
+def _reference_attention(q, kv, *, sm_scale, score):
     from sglang_ext.kernels import selection_attention as sa
 
-    q, k_buffer, _, req_to_token, req_pool_indices, seq_lens = cache
-    out, probabilities = sa.selection_attention_ref(*cache, sm_scale=sm_scale)
+    out, probabilities = sa.selection_attention_ref(q, kv, sm_scale=sm_scale)
     if score == "probability":
         return out, probabilities, None
-    scores = sa.tidal_token_scores_ref(
-        q, k_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale
-    )
-    return out, scores, None
+    return out, sa.tidal_token_scores_ref(q, kv, sm_scale), None
