@@ -1,4 +1,5 @@
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -32,8 +33,41 @@ def strict_env() -> dict[str, str]:
     return env
 
 
+# The test tiers (pyproject.toml's markers), set here from the file and the marks a test has:
+#   unit    the default: fast, on the CPU; every test of no other tier
+#   bench   tests of the benchmark scripts (tests/test_bench_*.py)
+#   gpu     needs CUDA, skipped without it: tests/test_engine_gpu*.py, a test or case marked gpu,
+#           and one skipped where CUDA is missing (a skipif whose reason names CUDA, a GPU or the
+#           Triton interpreter, which runs the kernels where CUDA is missing)
+#   engine  starts real SGLang servers: the engine modules' pytestmark, tests/test_engine_gpu*.py
+# `-m "not engine"` runs the fast tiers, `-m gpu` the GPU tier; a bare run runs every tier.
+OTHER_TIERS = ("bench", "gpu", "engine")  # than unit
+SKIPPED_WITHOUT_CUDA = re.compile(r"\bcuda\b|\bgpus?\b|interpreter", re.IGNORECASE)
+
+
+def _skipped_without_cuda(item) -> bool:
+    return any(
+        SKIPPED_WITHOUT_CUDA.search(str(mark.kwargs.get("reason", "")))
+        for mark in item.iter_markers("skipif")
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by these marks
 def pytest_collection_modifyitems(config, items):
-    # Fast tests first: a broken unit fails the run before the engine spends minutes starting.
+    for item in items:
+        name = item.path.name
+        if name.startswith("test_engine_gpu"):
+            item.add_marker(pytest.mark.engine)
+            item.add_marker(pytest.mark.gpu)
+        if _skipped_without_cuda(item):
+            item.add_marker(pytest.mark.gpu)
+        elif item.get_closest_marker("gpu") and not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason="the gpu tier needs CUDA"))
+        if name.startswith("test_bench_"):
+            item.add_marker(pytest.mark.bench)
+        if not any(item.get_closest_marker(tier) for tier in OTHER_TIERS):
+            item.add_marker(pytest.mark.unit)
+    # Engines last: a broken unit fails the run before the engine spends minutes starting.
     items.sort(key=lambda item: item.get_closest_marker("engine") is not None)
 
 

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from benchmarks import agreement, harness
+from row_schema import assert_rows_schema
 from sglang_ext.tools import agreement as ag
 
 
 @pytest.fixture(scope="module")
-def values(model_path, tmp_path_factory) -> dict:
+def rows(model_path, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("agreement")
     agreement.main([
         "--model-path", str(model_path), "--lengths", "384", "--prompts-per-length", "1",
@@ -23,8 +24,24 @@ def values(model_path, tmp_path_factory) -> dict:
         "--out-dir", str(out), "--results-md", str(out / "RESULTS.md"),
     ])  # fmt: skip
     (rows_path,) = out.glob("agreement-*.json")
-    rows = json.loads(rows_path.read_text())
+    return json.loads(rows_path.read_text())
+
+
+@pytest.fixture(scope="module")
+def values(rows) -> dict:
     return {(row["policy"], row["metric"]): row["value"] for row in rows}
+
+
+def test_rows_name_the_kv_the_backend_and_each_reads_budget(rows):
+    # teacher-forced on the real prefill's KV, in torch; no vanilla run to compare with
+    assert_rows_schema(rows, "agreement", kv_sources={"real"})
+    assert {row["attention_backend"] for row in rows} == {"torch"}
+    assert all(row["ratio"] is None for row in rows)
+    # every read but full attention's (and bf16's, which is full attention too) has a budget
+    assert all(bool(row["budget"]) == (row["policy"] not in ("full", "bf16")) for row in rows)
+    budgets = {row["policy"]: row["budget"] for row in rows}
+    assert budgets["delta-128"] == "8 pages"  # 128 tokens as DELTA's pages of 16
+    assert budgets["tidal-128"] == "128 tokens" and budgets["window-64"] == "64 tokens"
 
 
 def test_the_one_step_path_and_covering_budgets_reproduce_full_attention(values):

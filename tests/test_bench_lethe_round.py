@@ -4,6 +4,7 @@ and a packed request's layers each keep their cap where the union leaves them fe
 import json
 
 from benchmarks import lethe_round
+from row_schema import assert_rows_schema
 
 
 def test_packed_and_union_rounds_hold_alike_and_packed_layers_keep_more(tmp_path):
@@ -13,6 +14,9 @@ def test_packed_and_union_rounds_hold_alike_and_packed_layers_keep_more(tmp_path
     ])  # fmt: skip
     (rows_path,) = tmp_path.glob("lethe_round-*.json")
     rows = json.loads(rows_path.read_text())
+    # a round over synthetic lists, no attention: packed rows against the union's
+    assert_rows_schema(rows, "lethe_round", kv_sources={"synthetic"}, engine=False)
+    assert all(r["budget"].startswith("max_kv_ratio 0.3") for r in rows), rows[0]["budget"]
     value = {(r["policy"], r["batch"], r["metric"]): r["value"] for r in rows}
     metrics = ("held_slots", "attended_entries", "round_ms")
     for requests in (1, 3):

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks import decode_profile, decode_step, e2e, harness, host_step
+from row_schema import assert_rows_schema
 
 
 def test_rows_name_each_policys_budget_from_its_config():
@@ -260,7 +261,11 @@ def test_a_decode_step_run_split_over_calls_reports_every_saved_policy_against_v
     decode_step.main([*common, "--policies", "delta", "--out-dir", str(tmp_path / "b")])
 
     (rows_file,) = (tmp_path / "b").glob("decode_step-*.json")
-    rows = [r for r in json.loads(rows_file.read_text()) if r["metric"] == "decode_step_latency_s"]
+    every_row = json.loads(rows_file.read_text())
+    budgets = {policy: harness.policy_budget(policy, None) for policy in latency}
+    assert_rows_schema(every_row, "decode_step", kv_sources={"real"}, budgets=budgets)
+    assert budgets["delta"] == "64 pages"
+    rows = [r for r in every_row if r["metric"] == "decode_step_latency_s"]
     by_policy = {r["policy"]: r for r in rows}
     assert set(by_policy) == {"vanilla@fa3", "vanilla@triton", "delta"}
     assert by_policy["delta"]["baseline_value"] == 0.012
@@ -311,10 +316,14 @@ def test_host_step_times_the_adapters_work_for_each_policy_and_batch(tmp_path):
 
     (rows_file,) = out.glob("host_step-*.json")
     rows = json.loads(rows_file.read_text())
-    assert {(r["policy"], r["batch"]) for r in rows} == {
-        (p, b) for p in ("full", "delta", "tidal") for b in (1, 3)
-    }
+    assert sorted((r["policy"], r["batch"]) for r in rows) == [
+        (p, b) for p in ("delta", "full", "tidal") for b in (1, 3)
+    ]
+    # host work alone: no engine, no KV, no vanilla to compare with
+    assert_rows_schema(rows, "host_step", kv_sources={""}, engine=False)
+    assert all(r["baseline_value"] is None and r["attention_backend"] == "" for r in rows)
     assert all(r["metric"] == "host_step_ms" and r["value"] > 0 for r in rows)
+    assert {(r["model_shape"], r["context"]) for r in rows} == {("qwen1.5b", host_step.CONTEXT)}
 
 
 def test_a_mixed_decode_step_batch_names_the_members_in_turn():
@@ -397,7 +406,10 @@ def test_decode_step_rounds_alternate_the_order_and_report_the_median_and_spread
                       "--results-md", str(tmp_path / "R.md")])  # fmt: skip
     assert order == ["vanilla@fa3", "delta", "delta", "vanilla@fa3", "vanilla@fa3", "delta"]
     (rows_file,) = tmp_path.glob("decode_step-*.json")
-    found = {(r["policy"], r["metric"]): r for r in json.loads(rows_file.read_text())}
+    rows = json.loads(rows_file.read_text())
+    budgets = {policy: harness.policy_budget(policy, None) for policy in latency}
+    assert_rows_schema(rows, "decode_step", kv_sources={"real"}, budgets=budgets)
+    found = {(r["policy"], r["metric"]): r for r in rows}
     assert found["delta", "decode_step_latency_s"]["value"] == 0.005  # the median round
     assert found["delta", "decode_step_latency_s"]["ratio"] == pytest.approx(0.005 / 0.012)
     assert found["delta", "decode_step_rounds_max_over_min"]["value"] == pytest.approx(1.5)

@@ -13,7 +13,7 @@ import requests
 import torch
 
 from benchmarks.harness import shape_config, shape_path
-from server import ServerProcess, free_port, metric, policy_servers
+from server import assert_pool_exact, metric, policy_servers
 
 pytestmark = [
     pytest.mark.engine,
@@ -82,13 +82,6 @@ def rounds_by_rank(log: str, kind: str) -> dict[int, list[str]]:
     return found
 
 
-def assert_exact_and_healthy(server):
-    server.wait_idle()
-    assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
-    log = server.log()
-    assert "Mem Leak" not in log and "Traceback" not in log and "disagree" not in log
-
-
 def series(text: str, name: str) -> list[dict[str, str]]:
     """The label sets of a Prometheus metric's samples."""
     return [
@@ -119,7 +112,7 @@ def test_lethe_under_tensor_parallelism_frees_alike_on_both_ranks(servers):
     text = server.metrics()
     assert series(text, "sglang_ext:eviction_rounds_total") == [{"policy": "lethe", "tp_rank": "0"}]
     assert metric(text, "sglang_ext:eviction_rounds_total") == len(ranks[0])
-    assert_exact_and_healthy(server)
+    assert_pool_exact(server)
 
 
 def test_art_under_tensor_parallelism_counts_each_ranks_tiles(servers):
@@ -132,7 +125,7 @@ def test_art_under_tensor_parallelism_counts_each_ranks_tiles(servers):
     tiles = re.findall(r'^sglang_ext:art_tiles_total{[^}]*tp_rank="(\d)"} (\S+)$', text, re.M)
     assert all(float(value) > 0 for _, value in tiles)
     assert series(text, "sglang_ext:retained_kv_tokens") == [{"policy": "art", "tp_rank": "0"}]
-    assert_exact_and_healthy(server)
+    assert_pool_exact(server)
 
 
 def test_data_parallel_workers_each_evict_and_report_their_own_requests(servers):
@@ -143,7 +136,7 @@ def test_data_parallel_workers_each_evict_and_report_their_own_requests(servers)
     assert set(workers) == {0, 1}  # SGLang's controller spread the requests over both
     labels = series(server.metrics(), "sglang_ext:eviction_rounds_total")
     assert sorted(sample["dp_rank"] for sample in labels) == ["0", "1"]
-    assert_exact_and_healthy(server)
+    assert_pool_exact(server)
 
 
 def test_every_rank_builds_the_policy_backend(servers):

@@ -11,7 +11,7 @@ import requests
 import transformers
 
 from benchmarks import lookup_task
-from server import metric, policy_servers
+from server import assert_pool_exact, metric, policy_servers
 
 pytestmark = pytest.mark.engine
 
@@ -85,13 +85,6 @@ def round_numbers(m):
     return map(int, m.groups()[2:8])
 
 
-def assert_healthy_and_exact(server):
-    """Idle, alive, and SGLang's strict KV checks never fired (they raise in the scheduler)."""
-    server.wait_idle()
-    assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
-    assert "Mem Leak" not in server.log() and "Traceback" not in server.log()
-
-
 def test_rounds_return_slots_and_keep_retained_kv_under_budget(servers):
     server = servers["lethe"]
     out, rounds = story_with_rounds(server)
@@ -101,7 +94,7 @@ def test_rounds_return_slots_and_keep_retained_kv_under_budget(servers):
         assert retained <= math.ceil(MAX_KV_RATIO * positions) + radix_owned
     assert sum(int(m[4]) for m in rounds) > 0
     assert out["meta_info"]["completion_tokens"] == 300
-    assert_healthy_and_exact(server)
+    assert_pool_exact(server)
 
 
 @pytest.mark.parametrize("depth", [0.1, 0.5])
@@ -114,7 +107,7 @@ def test_needle_is_answered_after_eviction(servers, model_path, depth):
     (first, *_) = rounds_of(server, out["meta_info"]["id"])
     assert int(first[4]) > 0.5 * len(case.prompt_ids)  # most of the prompt was freed first
     assert lookup_task.is_correct(case, out["text"]), (case.value, out["text"])
-    assert_healthy_and_exact(server)
+    assert_pool_exact(server)
 
 
 def test_per_layer_memory_holds_the_sum_of_the_layers_lists(servers):
@@ -141,7 +134,7 @@ def test_per_layer_memory_holds_the_sum_of_the_layers_lists(servers):
     assert sorted(per_layer) == list(range(len(last_per_layer)))
     since = {per_layer[layer] - kept for layer, kept in enumerate(last_per_layer)}
     assert len(since) == 1 and 0 < since.pop() <= THRESHOLD
-    assert_healthy_and_exact(server)
+    assert_pool_exact(server)
 
 
 @pytest.mark.parametrize("name", ["lethe", "layers"])
@@ -159,7 +152,7 @@ def test_abort_mid_stream_after_rounds_leaks_nothing(servers, name):
                 break
     # the client left: SGLang aborts the request and releases its KV, holes and all
     assert len(rounds_of(server, rid)) >= 2
-    assert_healthy_and_exact(server)
+    assert_pool_exact(server)
 
 
 @pytest.mark.parametrize("name", ["lethe", "layers"])
@@ -174,7 +167,7 @@ def test_radix_prefix_reused_under_rounds_is_never_freed(servers, name):
     assert sum(int(m[4]) for m in rounds) > 0
     # the tree's slots were not freed under the longer request: the prefix still reads back
     assert generate(server, prefix, 8)["text"] == first["text"]
-    assert_healthy_and_exact(server)
+    assert_pool_exact(server)
 
 
 def four_at_once(server, max_new_tokens: int = 300) -> list[dict]:
@@ -192,7 +185,7 @@ def test_admission_counts_requests_at_their_expected_retained_kv(servers):
     four_at_once(server)
     assert max(int(n) for n in RUNNING.findall(server.log())) >= 3
     assert "Retract requests" not in server.log()
-    assert_healthy_and_exact(server)
+    assert_pool_exact(server)
 
 
 def test_slots_a_round_frees_admit_a_waiting_request(servers):
@@ -220,7 +213,7 @@ def test_slots_a_round_frees_admit_a_waiting_request(servers):
     assert int(rounds_of(server, outs[0]["meta_info"]["id"])[0][4]) > 150
     assert max(int(n) for n in RUNNING.findall(server.log()[seen:])) == 3
     assert "Retract requests" not in server.log()
-    assert_healthy_and_exact(server)
+    assert_pool_exact(server)
 
 
 def test_short_decode_memory_prunes_instead_of_retracting(servers):
@@ -229,7 +222,7 @@ def test_short_decode_memory_prunes_instead_of_retracting(servers):
     four_at_once(server, 250)
     assert metric(server.metrics(), "sglang_ext:memory_relief_tokens_total") > 0
     assert "Retract requests" not in server.log()
-    assert_healthy_and_exact(server)
+    assert_pool_exact(server)
 
 
 def test_retraction_and_readmission_leak_nothing(servers):
@@ -237,4 +230,4 @@ def test_retraction_and_readmission_leak_nothing(servers):
     outs = four_at_once(server)
     assert "Retract requests" in server.log()
     assert any(rounds_of(server, o["meta_info"]["id"]) for o in outs)
-    assert_healthy_and_exact(server)
+    assert_pool_exact(server)

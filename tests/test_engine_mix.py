@@ -10,7 +10,7 @@ import re
 import pytest
 import requests
 
-from server import policy_servers
+from server import assert_pool_exact, policy_servers
 
 from sglang_ext.server.metrics import by_policy
 
@@ -63,12 +63,6 @@ def _batch(server, texts, kv_policies, max_new_tokens=16):
     return response.json()
 
 
-def _assert_healthy_and_exact(server):
-    server.wait_idle()
-    assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
-    assert "Mem Leak" not in server.log() and "Traceback" not in server.log()
-
-
 def test_four_policies_in_one_batch_each_give_their_own_servers_tokens(servers):
     mixed = _batch(servers["mix"], MIX_PROMPTS, [{"name": name} for name in MIX_MEMBERS])
     batch = re.findall(r"Decode batch, #running-req: (\d+)", servers["mix"].log())
@@ -87,7 +81,7 @@ def test_four_policies_in_one_batch_each_give_their_own_servers_tokens(servers):
     # the requests' series are labelled by the policy each decoded under
     steps = by_policy(servers["mix"].metrics(), "sglang_ext:attended_tokens_per_step_count")
     assert {name: n >= 15 for name, n in steps.items()} == dict.fromkeys(MIX_MEMBERS, True)
-    _assert_healthy_and_exact(servers["mix"])
+    assert_pool_exact(*servers.values())
 
 
 def test_the_policy_endpoint_lists_the_enabled_policies(servers):
@@ -111,4 +105,4 @@ def test_a_prefix_shared_by_a_full_and_a_lethe_request_is_never_freed(servers):
     assert all(int(m[4]) >= 64 for m in rounds)  # the full request's cached prefix, exempt
     again = _batch(server, [prefix], [{"name": "full"}], max_new_tokens=8)[0]
     assert again["output_ids"] == first["output_ids"]
-    _assert_healthy_and_exact(server)
+    assert_pool_exact(server)

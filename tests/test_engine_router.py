@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from server import free_port, policy_servers
+from server import assert_pool_exact, free_port, policy_servers
 from tools import tool
 
 pytestmark = pytest.mark.engine
@@ -112,8 +112,7 @@ def test_the_router_drops_custom_params_of_generate_and_chat(stack):
 
 
 def test_both_pools_stay_exact(stack):
-    _, servers = stack
-    for server in servers:
-        server.wait_idle()
-        assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
-        assert "Mem Leak" not in server.log() and "Traceback" not in server.log()
+    url, servers = stack
+    responses = completions(url, [None, {"kv_policy": {"name": "full"}}, None, None])
+    assert all(response.status_code == 200 for response in responses)
+    assert_pool_exact(*servers)
