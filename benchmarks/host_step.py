@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
             ms = min(timeit.repeat(step, number=args.steps, repeat=5)) / args.steps * 1e3
             rows.append(info.row(
                 bench=BENCH, policy=name, model_shape="qwen1.5b", batch=batch, context=CONTEXT,
-                metric="host_step_ms", value=ms,
+                metric="host_step_ms", value=ms, kv_source="synthetic",  # no KV: host work only
+                budget=harness.policy_budget(name, None),
             ))  # fmt: skip
     harness.save_results(BENCH, "qwen1.5b", rows, info, args.out_dir, args.results_md)
 

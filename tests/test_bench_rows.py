@@ -320,7 +320,8 @@ def test_host_step_times_the_adapters_work_for_each_policy_and_batch(tmp_path):
         (p, b) for p in ("delta", "full", "tidal") for b in (1, 3)
     ]
     # host work alone: no engine, no KV, no vanilla to compare with
-    assert_rows_schema(rows, "host_step", kv_sources={""}, engine=False)
+    budgets = {"delta": "64 pages", "tidal": harness.policy_budget("tidal", None), "full": ""}
+    assert_rows_schema(rows, "host_step", kv_sources={"synthetic"}, engine=False, budgets=budgets)
     assert all(r["baseline_value"] is None and r["attention_backend"] == "" for r in rows)
     assert all(r["metric"] == "host_step_ms" and r["value"] > 0 for r in rows)
     assert {(r["model_shape"], r["context"]) for r in rows} == {("qwen1.5b", host_step.CONTEXT)}
