@@ -15,6 +15,9 @@ import dataclasses
 from typing import Any
 
 import torch
+from sglang_ext.kernels import art_decode as art
+from sglang_ext.kernels.art_decode import TILE_TOKENS
+from sglang_ext.kernels.kv_view import KVView
 from sglang_ext.policies.base import (
     DecodeContext,
     DecodeFn,
@@ -53,8 +56,6 @@ class Art(KVPolicy):
         for field in ("probe_stride", "num_kv_splits"):
             if getattr(self, field) < 1:
                 self._error(field, f"must be >= 1, got {getattr(self, field)}")
-        from sglang_ext.kernels.art_decode import TILE_TOKENS
-
         if self.tile_tokens not in TILE_TOKENS:
             self._error(
                 "tile_tokens", f"must be one of {list(TILE_TOKENS)}, got {self.tile_tokens}"
@@ -97,9 +98,6 @@ class Art(KVPolicy):
         ``request_table``, each request's own (tau, phi, patience) from its row; with
         ``scratch`` (``Art.scratch``), the kernel's buffers owned up front; the tiles it reads
         counted into ``tile_counts``."""
-        from sglang_ext.kernels import art_decode as art
-        from sglang_ext.kernels.kv_view import KVView
-
         attend = art.art_decode if q.is_cuda else art.art_decode_ref
         kv = KVView.of_layer(ctx.kv_pool, layer.layer_id, ctx.req_to_token, forward_batch)
         order.setdefault("always_read", self.sink_tokens)

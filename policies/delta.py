@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from sglang_ext.kernels import selection_attention as sa
 from sglang_ext.kernels.page_select import unit_chooser
 from sglang_ext.policies.base import DecodeContext
 from sglang_ext.policies.registry import register_policy
@@ -79,14 +80,10 @@ class DeltaPolicy(SelectionPolicy):
 
 def page_sums(token_scores: torch.Tensor) -> torch.Tensor:
     """Page scores of dense rows [batch, T], or of ragged ones [capacity] (rows start on pages)."""
-    from sglang_ext.kernels.selection_attention import page_scores_ref
-
     rows = token_scores.view(-1, token_scores.shape[-1])
-    return page_scores_ref(rows, PAGE_SIZE).view(*token_scores.shape[:-1], -1)
+    return sa.page_scores_ref(rows, PAGE_SIZE).view(*token_scores.shape[:-1], -1)
 
 
 def _reference_attention(q, kv, *, sm_scale):
-    from sglang_ext.kernels import selection_attention as sa
-
     out, token_scores = sa.selection_attention_ref(q, kv, sm_scale=sm_scale)
     return out, token_scores, page_sums(token_scores)

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 
 import torch
+from sglang_ext.kernels import selection_attention as sa
 from sglang_ext.kernels.page_select import unit_chooser
 from sglang_ext.policies.base import DecodeContext, PolicyConfigError
 from sglang_ext.policies.registry import register_policy
@@ -93,8 +94,6 @@ class TidalPolicy(SelectionPolicy):
 
 
 def _reference_attention(q, kv, *, sm_scale, score):
-    from sglang_ext.kernels import selection_attention as sa
-
     out, probabilities = sa.selection_attention_ref(q, kv, sm_scale=sm_scale)
     if score == "probability":
         return out, probabilities, None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from sglang_ext.engine import requests, targets
+from sglang_ext.engine.batches import correction_batch
 from sglang_ext.engine.backends import runtime_of
 from sglang_ext.policies.runtime import EngineOps, StepPlan
 from sglang_ext.server import metrics, report
@@ -101,8 +102,6 @@ def engine_ops(model_runner) -> EngineOps:
 
 
 def _rerun_extend(model_runner, decode_batch, plan) -> None:
-    from sglang_ext.engine.batches import correction_batch
-
     batch = correction_batch(decode_batch, plan, model_runner.req_to_token_pool.req_to_token)
     model_runner.forward(batch)  # the extend writes K/V at out_cache_loc: the tokens' own slots
 

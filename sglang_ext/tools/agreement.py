@@ -25,6 +25,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from sglang_ext.tools import attention_trace as at
+from sglang_ext.policies.base import DecodeContext
+from sglang_ext.policies.runtime import EngineOps, StepRequest
 from sglang_ext.policies.selection import LayerRole
 
 ATTENTION = "sglang_ext_agreement"
@@ -140,9 +142,6 @@ class LetheReads(FullReads):
         return runtime.positions[layer, self.ROW, : runtime.count[layer, self.ROW]].long()
 
     def _start(self, passage: Passage) -> None:
-        from sglang_ext.policies.base import DecodeContext
-        from sglang_ext.policies.runtime import EngineOps, StepRequest
-
         self._passage, self._next, self._pending = passage, self.prompt_len, None
         n = len(passage.ids)
         # the layers in one buffer each, as the engine allocates them for per-layer memory
