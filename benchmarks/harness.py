@@ -26,8 +26,8 @@ from sglang_ext.platform import cpu
 BENCH_DIR = Path(__file__).resolve().parent
 CONFIGS_DIR = BENCH_DIR / "configs"
 DEFAULT_OUT_DIR = BENCH_DIR / "results"
-# a run appends its section to the history log; RESULTS.md holds the curated current numbers
-DEFAULT_RESULTS_MD = BENCH_DIR / "history" / "RESULTS-2026-11.md"
+# a run appends its section to the month's history log; RESULTS.md holds the curated current numbers
+DEFAULT_RESULTS_MD = BENCH_DIR / "history" / f"RESULTS-{dt.date.today():%Y-%m}.md"
 VANILLA = "vanilla"
 REAL_MODEL = "smollm2-135m-instruct"  # the embedded model, as rows of its real weights name it
 PLUGIN_GROUP = "sglang.srt.plugins"

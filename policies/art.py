@@ -68,8 +68,9 @@ class Art(KVPolicy):
         return True
 
     def request_columns(self, chosen: Art | None) -> dict[str, int | float]:
-        own = chosen or dataclasses.replace(self, patience=0)  # opted out: it reads every tile
-        return {"tau": own.tau, "phi": own.phi, "patience": own.patience}
+        if chosen is None:  # opted out: patience 0 reads every tile
+            return {"tau": self.tau, "phi": self.phi, "patience": 0}
+        return {"tau": chosen.tau, "phi": chosen.phi, "patience": chosen.patience}
 
     def kernel_params(self) -> dict[str, Any]:
         return {

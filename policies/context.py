@@ -14,6 +14,7 @@ from sglang_ext.kernels.split_kv_decode import SplitKVWorkspace
 # forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs) -> attention output
 DecodeFn = Callable[..., Any]
 
+
 @dataclasses.dataclass(frozen=True)
 class RankGroup:
     """The attention tensor-parallel ranks of this process's model, each holding some of the query

@@ -4,9 +4,8 @@ parameters, and requests of different policies share one decode batch and its CU
 
 Each member policy keeps its own runtime (its decode functions, buffers, request state and
 rounds), built on the backend's context with what the mix shares (``DecodeInputs``). A decode
-step gives every member a view of the
-whole batch in which the other members' requests are one token long
-(``MemberView``): its kernels run once over the batch, read, score and select almost nothing for
+step gives every member a view of the whole batch in which the other members' requests are one
+token long (``MemberView``): its kernels run once over the batch, read, score and select almost nothing for
 those rows, and its output for them is dropped. Per layer the members' outputs are merged by each
 row's member (masks made once per step on the device; no host sync); members that run the
 engine's own full attention at a layer share one call of it, with the real batch, reading only
@@ -162,8 +161,9 @@ class MixRuntime(PolicyRuntime):
         )  # fmt: skip
         shares = [None] * len(policy.members) if heads is None else self.tables.shares
         # one counter of ART's tiles for all the members that read through it (metrics)
-        tiles = torch.zeros(2, dtype=torch.int64, device=ctx.device)
-        self.tile_counts = tiles if policy.reads_tiles() else None
+        self.tile_counts = (
+            torch.zeros(2, dtype=torch.int64, device=ctx.device) if policy.reads_tiles() else None
+        )
         self.members = [
             m.runtime(ctx, DecodeInputs(tile_counts=self.tile_counts, table_share=share))
             for m, share in zip(policy.members, shares, strict=True)

@@ -38,6 +38,7 @@ class RequestTable:
     def __init__(self, defaults: Values, rows: int, device):
         if not defaults:
             raise ValueError("a request table has at least one column")
+        self.device = torch.device(device)
         self.dtypes = {name: column_dtype(value) for name, value in defaults.items()}
         self.columns = {
             name: torch.full((rows,), value, dtype=self.dtypes[name], device=device)
@@ -59,7 +60,6 @@ class RequestTable:
 
     def write(self, planned: TableRows) -> None:
         """Outside CUDA graphs, before the forward of the prefill that planned them."""
-        some_column = next(iter(self.columns.values()))
-        rows = planned.rows.to(some_column.device)
+        rows = planned.rows.to(self.device)
         for name, column in self.columns.items():
-            column[rows] = planned.values[name].to(column.device)
+            column[rows] = planned.values[name].to(self.device)

@@ -6,9 +6,9 @@ prefill resets a row to every position it holds; each decode step appends the ne
 layer's list (once per step, ``prepare_decode``); a layer's decode attention reads only its list
 (``kernels.rasr``). Without per-layer lists (the default) every layer's list is the same, so on
 CUDA the step gathers its KV slots once and every layer attends over that table. With per-layer
-lists, memory is per layer (``sglang_ext.policies.lethe.layer_memory``): every entry also holds its K/V row
-(``layer_rows``, a global row of the pool's one buffer), rounds pack a request's kept entries into
-as few slots as hold them, and a layer attends over its entries' rows.
+lists, memory is per layer (``layer_memory``): every entry also holds its K/V row (``layer_rows``,
+a global row of the pool's one buffer), rounds pack a request's kept entries into as few slots as
+hold them, and a layer attends over its entries' rows.
 
 Memory: SGLang keeps its own view of a request (``seq_lens``, ``req_to_token``, the true
 positions for RoPE) unchanged; a slot freed by a round leaves a hole, ``DecodeContext.padding_slot``

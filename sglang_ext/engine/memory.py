@@ -29,7 +29,7 @@
 - **One buffer for the pool's layers** (``KVPolicy.pools_layer_rows``: Lethe's per-layer memory):
   ``MHATokenToKVPool`` allocates each layer's K (and V) separately; it is made to allocate them
   as one [layers, slots, heads, dim] tensor whose per-layer views it keeps, so a row of any layer
-  is addressable from every layer's decode (``sglang_ext.policies.lethe.runtime``). Same bytes, same layout
+  is addressable from every layer's decode (``policies.lethe.runtime``). Same bytes, same layout
   per layer; only the plain token-major layout is supported, anything else stops the engine.
 """
 
