@@ -2,9 +2,11 @@
 (``--policy lethe,delta,tidal,full``), beside a single-policy server of each with the same
 parameters: requests of the four policies decode in one batch, each giving the greedy tokens its
 own server gives it, under its own report and metrics label, beside the radix cache, with
-SGLang's strict KV checks silent. (Five CPU servers: in their own module, as eight at once do
+SGLang's strict KV checks silent. The mix also serves SnapKV, TOVA and H2O on Lethe's eviction
+runtime, each request naming its own. (Five CPU servers: in their own module, as eight at once do
 not fit a 24 GB machine.)"""
 
+import math
 import re
 
 import pytest
@@ -24,14 +26,17 @@ MIX_MEMBERS = {
     "tidal": {"budget_tokens": 64},
     "full": None,
 }
-MIX = ",".join(MIX_MEMBERS)
+# on the mix only: the public decode-time scorers, a round at the first decode step, then every
+# 16 tokens
+SCORERS = {name: {"compression_interval": 16} for name in ("snapkv", "tova", "h2o")}
+MIX = ",".join([*MIX_MEMBERS, *SCORERS])
 
 
 @pytest.fixture(scope="module")
 def servers(model_path, strict_env, tmp_path_factory):
     logs = tmp_path_factory.mktemp("mix-logs")
     configs = {name: (name, config, COMMON) for name, config in MIX_MEMBERS.items()}
-    mix_config = {name: config for name, config in MIX_MEMBERS.items() if config}
+    mix_config = {name: config for name, config in {**MIX_MEMBERS, **SCORERS}.items() if config}
     mix_flags = [*COMMON, "--enable-metrics", "--decode-log-interval", "1"]
     configs["mix"] = (MIX, mix_config, mix_flags)
     with policy_servers(model_path, strict_env, logs, configs) as started:
@@ -80,19 +85,20 @@ def test_four_policies_in_one_batch_each_give_their_own_servers_tokens(servers):
     assert re.search(r"tidal layer \d+ first selected fewer tokens", servers["mix"].log())
     # the requests' series are labelled by the policy each decoded under
     steps = by_policy(servers["mix"].metrics(), "sglang_ext:attended_tokens_per_step_count")
-    assert {name: n >= 15 for name, n in steps.items()} == dict.fromkeys(MIX_MEMBERS, True)
+    own = {name: n >= 15 for name, n in steps.items() if name not in SCORERS}
+    assert own == dict.fromkeys(MIX_MEMBERS, True)
     assert_pool_exact(*servers.values())
 
 
 def test_the_policy_endpoint_lists_the_enabled_policies(servers):
     info = requests.get(f"{servers['mix'].url}/policy", timeout=30).json()
     assert info["policy"]["name"] == MIX and info["policy"]["delta"]["budget_pages"] == 4
-    assert list(info["per_request"]["policies"]) == list(MIX_MEMBERS)
+    assert list(info["per_request"]["policies"]) == MIX.split(",")
     assert info["per_request"]["policies"]["tidal"] == ["budget_tokens"]
     body = {"text": STORY, "sampling_params": {"custom_params": {"kv_policy": {"name": "art"}}}}
     refused = requests.post(f"{servers['mix'].url}/generate", json=body, timeout=60)
     assert refused.status_code == 400 and "kv_policy.name" in refused.text
-    assert "(valid: lethe, delta, tidal, full)" in refused.text
+    assert f"(valid: {MIX.replace(',', ', ')})" in refused.text
 
 
 def test_a_prefix_shared_by_a_full_and_a_lethe_request_is_never_freed(servers):
@@ -105,4 +111,35 @@ def test_a_prefix_shared_by_a_full_and_a_lethe_request_is_never_freed(servers):
     assert all(int(m[4]) >= 64 for m in rounds)  # the full request's cached prefix, exempt
     again = _batch(server, [prefix], [{"name": "full"}], max_new_tokens=8)[0]
     assert again["output_ids"] == first["output_ids"]
+    assert_pool_exact(server)
+
+
+SCORER_ROUND = re.compile(
+    r"(\w+) round \d+ of (\w+): (\d+) positions, freed \d+ slots .* retained (\d+) "
+    r"\(radix-owned (\d+)\), next threshold \d+, retained per layer \[([\d, ]+)\]"
+)
+
+
+def test_snapkv_tova_and_h2o_each_evict_under_its_own_rule_and_cap(servers):
+    server = servers["mix"]
+    specs = [{"name": "snapkv"}, {"name": "tova", "compression_ratio": 0.75}, {"name": "h2o"}]
+    # prompts of their own: no longer prefix of them is in the radix tree
+    prompts = [f"{spec['name']}: {prompt}" for spec, prompt in zip(specs, MIX_PROMPTS)]
+    outs = _batch(server, prompts, specs, max_new_tokens=40)
+    for spec, out in zip(specs, outs, strict=True):
+        meta = out["meta_info"]
+        assert meta["kv_policy"][-1] == spec["name"] and meta["kv_evicted_tokens"][-1] > 0
+        rounds = [m for m in SCORER_ROUND.finditer(server.log()) if m[2] == meta["id"]]
+        # the prompt at the first decode step, then every 16 tokens: decode steps 1, 17 and 33
+        assert [m[1] for m in rounds] == [spec["name"]] * 3
+        assert [int(m[3]) for m in rounds] == [int(rounds[0][3]) + k * 16 for k in range(3)]
+        keep = 1 - spec.get("compression_ratio", 0.5)
+        for m in rounds:
+            positions, retained, radix_owned = int(m[3]), int(m[4]), int(m[5])
+            per_layer = [int(n) for n in m[6].split(",")]
+            # each layer cut to the cap by its own scores, the layers' entries packed into slots
+            # (beside any slot of a radix-cached prefix, never freed: a probe's token may match)
+            assert max(per_layer) <= math.ceil(keep * positions)
+            packed = math.ceil(sum(per_layer) / len(per_layer))
+            assert packed <= retained <= packed + radix_owned
     assert_pool_exact(server)

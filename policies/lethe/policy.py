@@ -31,6 +31,10 @@ ablation says a larger ``sparse_ratio`` keeps more. We take the reading that agr
 ablation: the breakpoint is the first cut where the scores have dropped by more than tau
 (v_top[0] > tau * v_top[cut]); tokens from there on are pruned. No such cut: the layer's attention
 is not sparse, it keeps everything this round, and if no layer found one the threshold doubles.
+
+What the runtime asks of a policy is ``EvictionPolicy``, Lethe's base: the scoring knobs (decay,
+prefill seed, scores a round ranks by), the round cadence and the caps. The public decode-time
+scorers SnapKV, TOVA and H2O (``scorers``) are other rules over the same runtime.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import dataclasses
 import math
 
 import torch
+from sglang_ext.kernels import rasr
 from sglang_ext.policies.base import DecodeContext, DecodeInputs, KVPolicy, PolicyConfigError
 from sglang_ext.policies.lethe.runtime import LetheRuntime
 from sglang_ext.policies.registry import register_policy
@@ -56,9 +61,167 @@ class LayerShrink:
     salient_plus_recent: int | None
 
 
+@dataclasses.dataclass(frozen=True)
+class EvictionPolicy(KVPolicy):
+    """A policy that Lethe's eviction runtime (``LetheRuntime``) runs: decode-time scores per
+    retained entry, rounds that cut each request's KV to a cap and give the freed slots back to
+    SGLang's pool. A subclass is the scoring rule and its round parameters; the runtime asks only
+    this interface, never a policy's type.
+
+    Scores: every decode step each layer updates ``s = decay * s + attention received`` (summed
+    over query heads, ``kernels.rasr``); ``decay`` is a field or a class constant of the subclass.
+    A prefill seeds them from the attention of its last ``seed_window()`` prompt queries
+    (``seed``). A round ranks entries by ``round_scores``; with ``observed_steps()`` set, a
+    round's scores come from the last that many decode queries before it only (reset then, and
+    after each round). Rounds run once a request's retained KV passes its threshold
+    (``first_threshold``, then ``next_threshold``)."""
+
+    request_opt_out = True
+
+    def evicts(self) -> bool:
+        return True
+
+    def per_layer_lists(self) -> bool:
+        """Whether layers may keep different lists (else every layer keeps the request's set)."""
+        return True
+
+    def pools_layer_rows(self) -> bool:
+        return self.per_layer_lists()
+
+    def runtime(self, ctx: DecodeContext, shared: DecodeInputs | None = None) -> LetheRuntime:
+        return LetheRuntime(self, ctx, shared)
+
+    def server_defaults(self) -> dict[str, str]:
+        # The state is per request slot x context position; SGLang's default request pool
+        # (thousands of slots on a large KV pool) would make it gigabytes.
+        # Prefill seeds the scores with a host-side loop over requests (lethe.runtime).
+        return {
+            "--max-running-requests": str(DEFAULT_MAX_RUNNING_REQUESTS),
+            "--disable-prefill-cuda-graph": None,
+        }
+
+    # the rule: scores ----------------------------------------------------------------------------
+    def seed_window(self) -> int:
+        """The last prompt queries whose attention seeds the scores at prefill (0: none)."""
+        return 0
+
+    def seed(self, received: torch.Tensor) -> torch.Tensor:
+        """A request's seeded scores in one layer from ``received`` [tokens] (the attention its
+        window's queries pay each token, summed over heads and queries, over every rank)."""
+        return received
+
+    def observed_steps(self) -> int | None:
+        """None: scores decay over the request's whole life. N: a round sees only the attention
+        of the last N decode queries before it (the runtime zeroes scores N steps before a round
+        and after each)."""
+        return None
+
+    def round_scores(self, scores: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
+        """What a round ranks entries by, from their scores [requests, layers, n] (request i's
+        layer l holds its first ``counts[i][l]`` entries, by ascending position)."""
+        return scores
+
+    # the rule: rounds ----------------------------------------------------------------------------
+    def first_threshold(self) -> int:
+        """The retained KV past which a request's first round runs."""
+        raise NotImplementedError
+
+    def next_threshold(
+        self, threshold: int, breakpoints: list[int | None], retained: int, length: int
+    ) -> int:
+        """The threshold after a round at ``length`` positions that left ``retained`` (each
+        layer's breakpoint + recent window where ``shrink_layers`` found one, else None)."""
+        raise NotImplementedError
+
+    def round_cap(self, length: int) -> int:
+        """The most positions of ``length`` a round leaves."""
+        raise NotImplementedError
+
+    def recent_window(self, retained: int) -> int:
+        """The most recent of ``retained`` entries a round keeps first."""
+        raise NotImplementedError
+
+    def expected_kv(self, total_tokens: int) -> int:
+        """The most KV a request of ``total_tokens`` (prompt and generation) is expected to hold."""
+        raise NotImplementedError
+
+    def attended_tokens(self, seq_len: int, num_layers: int) -> float:
+        # Right after a round: the fewest it reads at this length, for a decode step's bandwidth
+        # floor. Its runtime's reports count what each request really holds.
+        return float(min(seq_len, self.round_cap(seq_len)))
+
+    def shrink_layers(self, positions: torch.Tensor, scores: torch.Tensor, counts: list[int]):
+        """What each layer keeps before the cap (a row each: the layers of a batch of requests;
+        row r's entries the first ``counts[r]`` columns of ``positions``/``scores`` [rows, n]):
+        (keep [rows, n] bool, False past a row's count; found [rows] bool: a breakpoint;
+        salient_plus_recent [rows] int64, meaningful where found), without a host sync. Here
+        every entry: only the cap evicts."""
+        layers, n = scores.shape
+        device = scores.device
+        count = torch.tensor(counts, device=device)
+        valid = torch.arange(n, device=device) < count[:, None]
+        return valid, torch.zeros(layers, dtype=torch.bool, device=device), count
+
+    def cap_union_layers(
+        self, positions: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor, lengths: list[int]
+    ) -> torch.Tensor:
+        """``cap_union`` of what ``shrink_layers`` kept, for a batch of requests at once on the
+        device without a host sync: request i's layers are ``[i]`` of ``positions``, ``scores``
+        and ``keep`` [requests, layers, n], its round covers ``lengths[i]`` positions. Bool
+        [requests, max(lengths)], False past a request's length."""
+        device = scores.device
+        width = max(lengths)
+        total = torch.where(keep, scores, 0.0).sum(2, keepdim=True)
+        share = scores / total.clamp_min(torch.finfo(torch.float32).tiny)
+        best = torch.full((*keep.shape[:2], width + 1), float("-inf"), device=device)
+        at = torch.where(keep, positions.long(), width)  # what a layer dropped: a spare column
+        best.scatter_reduce_(2, at, torch.where(keep, share, float("-inf")), "amax")
+        best = best[:, :, :width].amax(1)
+        union = torch.isfinite(best)
+        cap, recent = self._caps(lengths, device)
+        length = torch.tensor(lengths, device=device)[:, None]
+        column = torch.arange(width, device=device)
+        capped = (column < length) & ((column < self.sink_tokens) | (column >= length - recent))
+        room = cap - capped.sum(1, keepdim=True)
+        candidates = torch.where(capped | ~union, float("-inf"), best)
+        ranked, order = torch.sort(candidates, dim=1, descending=True, stable=True)
+        chosen = (column < room) & torch.isfinite(ranked)
+        capped |= torch.zeros_like(capped).scatter_(1, order, chosen)
+        return torch.where(union.sum(1, keepdim=True) <= cap, union, capped)
+
+    def cap_layers(
+        self, positions: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor, lengths: list[int]
+    ) -> torch.Tensor:
+        """What ``shrink_layers`` kept ([rows, n] each, a row a layer of a request, its entries by
+        ascending position), each row cut to ``round_cap(lengths[row])`` entries where it kept
+        more: its sink tokens and its most recent entries first, then by its own score. On the
+        device, without a host sync."""
+        cap, recent = self._caps(lengths, scores.device)
+        kept = keep.sum(1, keepdim=True)
+        from_end = kept - torch.cumsum(keep.long(), 1)  # 0 at a layer's last kept entry
+        forced = keep & ((positions < self.sink_tokens) | (from_end < recent))
+        room = cap - forced.sum(1, keepdim=True)
+        candidates = torch.where(keep & ~forced, scores, float("-inf"))
+        order = torch.argsort(candidates, dim=1, descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(
+            1, order, torch.arange(order.shape[1], device=order.device).expand_as(order)
+        )
+        chosen = (rank < room) & torch.isfinite(candidates)
+        return torch.where(kept <= cap, keep, forced | chosen)
+
+    def _error(self, field: str, message: str):
+        raise PolicyConfigError(f"{self.name}.{field}", message)
+
+    def _caps(self, lengths: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each round's cap and the recent window it keeps first, [len(lengths), 1] on device."""
+        caps = [self.round_cap(n) for n in lengths]
+        recent = [self.recent_window(c) for c in caps]
+        return torch.tensor([caps, recent], device=device).view(2, -1, 1).unbind(0)
+
+
 @register_policy
 @dataclasses.dataclass(frozen=True)
-class Lethe(KVPolicy):
+class Lethe(EvictionPolicy):
     name = "lethe"
     # Host-side rules of a round. Server-wide: decay and the observation window (they shape
     # every request's device-side scores) and sparse_ratio (without per-layer lists the decode
@@ -66,7 +229,6 @@ class Lethe(KVPolicy):
     request_params = (
         "evict_threshold", "recent_ratio", "sink_tokens", "segments", "max_kv_ratio",
     )  # fmt: skip
-    request_opt_out = True
 
     evict_threshold: int = 1024  # initial L_evict: retained tokens that trigger the first round
     # tau: a score drop by more than this marks a layer's breakpoint; None: no per-layer lists
@@ -107,18 +269,17 @@ class Lethe(KVPolicy):
         if not 0 < self.max_kv_ratio <= 1:
             self._error("max_kv_ratio", f"must be in (0, 1], got {self.max_kv_ratio}")
 
-    def evicts(self) -> bool:
-        return True
-
     def per_layer_lists(self) -> bool:
-        """Whether layers may keep different lists (else every layer keeps the request's set)."""
         return self.sparse_ratio is not None
 
-    def pools_layer_rows(self) -> bool:
-        return self.per_layer_lists()
+    def seed_window(self) -> int:
+        return self.observation_window
 
-    def runtime(self, ctx: DecodeContext, shared: DecodeInputs | None = None) -> LetheRuntime:
-        return LetheRuntime(self, ctx, shared)
+    def seed(self, received: torch.Tensor) -> torch.Tensor:
+        return rasr.pool_neighbours(received, self.observation_pool)
+
+    def first_threshold(self) -> int:
+        return self.evict_threshold
 
     def budget(self) -> str:
         caps = f"max_kv_ratio {self.max_kv_ratio}, evict_threshold {self.evict_threshold}"
@@ -126,15 +287,6 @@ class Lethe(KVPolicy):
             return caps
         memory = "per-layer memory" if self.pack_layers else "freed by the union"
         return f"{caps}, sparse_ratio {self.sparse_ratio} ({memory})"
-
-    def server_defaults(self) -> dict[str, str]:
-        # The state is per request slot x context position; SGLang's default request pool
-        # (thousands of slots on a large KV pool) would make it gigabytes.
-        # Prefill seeds the scores with a host-side loop over requests (lethe.runtime).
-        return {
-            "--max-running-requests": str(DEFAULT_MAX_RUNNING_REQUESTS),
-            "--disable-prefill-cuda-graph": None,
-        }
 
     def recent_window(self, retained: int) -> int:
         return math.ceil(self.recent_ratio * retained)
@@ -187,59 +339,6 @@ class Lethe(KVPolicy):
         salient = torch.zeros_like(valid).scatter_(1, order, column < breakpoint[:, None])
         keep = torch.where(found[:, None], keep | salient, valid)
         return keep, found, breakpoint + recent
-
-    def cap_union_layers(
-        self, positions: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor, lengths: list[int]
-    ) -> torch.Tensor:
-        """``cap_union`` of what ``shrink_layers`` kept, for a batch of requests at once on the
-        device without a host sync: request i's layers are ``[i]`` of ``positions``, ``scores``
-        and ``keep`` [requests, layers, n], its round covers ``lengths[i]`` positions. Bool
-        [requests, max(lengths)], False past a request's length."""
-        device = scores.device
-        width = max(lengths)
-        total = torch.where(keep, scores, 0.0).sum(2, keepdim=True)
-        share = scores / total.clamp_min(torch.finfo(torch.float32).tiny)
-        best = torch.full((*keep.shape[:2], width + 1), float("-inf"), device=device)
-        at = torch.where(keep, positions.long(), width)  # what a layer dropped: a spare column
-        best.scatter_reduce_(2, at, torch.where(keep, share, float("-inf")), "amax")
-        best = best[:, :, :width].amax(1)
-        union = torch.isfinite(best)
-        cap, recent = self._caps(lengths, device)
-        length = torch.tensor(lengths, device=device)[:, None]
-        column = torch.arange(width, device=device)
-        capped = (column < length) & ((column < self.sink_tokens) | (column >= length - recent))
-        room = cap - capped.sum(1, keepdim=True)
-        candidates = torch.where(capped | ~union, float("-inf"), best)
-        ranked, order = torch.sort(candidates, dim=1, descending=True, stable=True)
-        chosen = (column < room) & torch.isfinite(ranked)
-        capped |= torch.zeros_like(capped).scatter_(1, order, chosen)
-        return torch.where(union.sum(1, keepdim=True) <= cap, union, capped)
-
-    def cap_layers(
-        self, positions: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor, lengths: list[int]
-    ) -> torch.Tensor:
-        """What ``shrink_layers`` kept ([rows, n] each, a row a layer of a request, its entries by
-        ascending position), each row cut to ``round_cap(lengths[row])`` entries where it kept
-        more: its sink tokens and its most recent entries first, then by its own score. On the
-        device, without a host sync."""
-        cap, recent = self._caps(lengths, scores.device)
-        kept = keep.sum(1, keepdim=True)
-        from_end = kept - torch.cumsum(keep.long(), 1)  # 0 at a layer's last kept entry
-        forced = keep & ((positions < self.sink_tokens) | (from_end < recent))
-        room = cap - forced.sum(1, keepdim=True)
-        candidates = torch.where(keep & ~forced, scores, float("-inf"))
-        order = torch.argsort(candidates, dim=1, descending=True, stable=True)
-        rank = torch.empty_like(order).scatter_(
-            1, order, torch.arange(order.shape[1], device=order.device).expand_as(order)
-        )
-        chosen = (rank < room) & torch.isfinite(candidates)
-        return torch.where(kept <= cap, keep, forced | chosen)
-
-    def _caps(self, lengths: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each round's cap and the recent window it keeps first, [len(lengths), 1] on device."""
-        caps = [self.round_cap(n) for n in lengths]
-        recent = [self.recent_window(c) for c in caps]
-        return torch.tensor([caps, recent], device=device).view(2, -1, 1).unbind(0)
 
     def round_cap(self, length: int) -> int:
         """The most positions of ``length`` a round leaves."""
@@ -300,6 +399,3 @@ class Lethe(KVPolicy):
 
     def _budget_trigger(self, length: int) -> int:
         return max(self.evict_threshold, math.ceil(self.round_cap(length) * (1 + self.recent_ratio)))
-
-    def _error(self, field: str, message: str):
-        raise PolicyConfigError(f"{self.name}.{field}", message)

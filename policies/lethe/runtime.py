@@ -1,5 +1,8 @@
 """Lethe inside the engine: per-layer retained lists, pruning rounds, freed slots back to the pool.
 
+It runs any ``EvictionPolicy`` (``policy``: Lethe; ``scorers``: SnapKV, TOVA, H2O), asking the
+policy, never its type, for the scores' decay and prefill seed, when rounds run and what they keep.
+
 State, per SGLang request slot (a row of ``req_to_token``) and per layer, on the device:
 ``positions`` (the retained logical positions, ascending), ``count`` and ``scores`` (RASR). A
 prefill resets a row to every position it holds; each decode step appends the new token to every
@@ -62,6 +65,9 @@ class LetheRequest:
     """What Lethe keeps of one request beyond ``RequestState``."""
 
     threshold: int  # L_evict: a round runs once the retained KV passes it
+    # the retained KV at which its scores are zeroed, so that its next round sees only the
+    # queries from there on (EvictionPolicy.observed_steps); None: not before that round
+    reset_at: int | None = None
     retained_per_layer: list[int] = dataclasses.field(default_factory=list)  # after the last round
     round_length: int = 0  # the positions the last round covered (each step appends one more)
 
@@ -180,7 +186,7 @@ class LetheRuntime(PolicyRuntime):
     def new_request(self, own, previous: RequestState | None) -> RequestState:
         state = super().new_request(own, previous)
         if own is not None:  # None: it chose full attention, nothing is evicted
-            state.policy_state = LetheRequest(threshold=own.evict_threshold)
+            state.policy_state = LetheRequest(threshold=own.first_threshold())
         return state
 
     def admission_tokens(self, state: RequestState | None, total_tokens: int) -> int:
@@ -213,7 +219,25 @@ class LetheRuntime(PolicyRuntime):
         started = time.perf_counter()
         # over the positions before the token being decoded
         self.prune(plan.rounds, [r.seq_len - 1 for r in plan.rounds], engine)
+        self._reset_scores(plan.requests)
         self.stats.seconds += time.perf_counter() - started
+
+    def _reset_scores(self, requests: list[StepRequest]) -> None:
+        """Zero the scores of the requests whose next round is to see only the queries from this
+        step on (``LetheRequest.reset_at``): a device write before the step's forward."""
+        if self.policy.observed_steps() is None:  # server-wide: none of its requests resets
+            return
+        due = [
+            r for r in requests
+            if r.state.evicts and r.state.policy_state.reset_at is not None
+            and r.seq_len - 1 - r.state.evicted >= r.state.policy_state.reset_at
+        ]  # fmt: skip
+        if not due:
+            return
+        rows = torch.tensor([r.row for r in due], device=self.scores.device)
+        self.scores[:, rows] = 0.0
+        for request in due:
+            request.state.policy_state.reset_at = None
 
     def prepare_decode(self, forward_batch) -> None:
         """The token being decoded (position seq_len - 1) joins every layer's list; CUDA-graph
@@ -327,12 +351,13 @@ class LetheRuntime(PolicyRuntime):
 
     def after_extend(self, q, layer, forward_batch) -> None:
         """Seed a prefilled request's scores in this layer: the attention its last
-        ``observation_window`` prompt tokens pay to each of its tokens, summed over heads and
-        those queries (Eq. 2), then pooled over neighbours. Its rows were reset to every position
-        before the forward; the rows and lengths come from the host (``_extending``, once per
-        batch). Under tensor parallelism the batch's sums are combined across the ranks in one
-        exchange per layer, before the pooling, and stored as this rank's 1/size share."""
-        window = self.policy.observation_window
+        ``seed_window()`` prompt tokens pay to each of its tokens, summed over heads and those
+        queries (Eq. 2), then the policy's ``seed`` (Lethe's pools over neighbours). Its rows were
+        reset to every position before the forward; the rows and lengths come from the host
+        (``_extending``, once per batch). Under tensor parallelism the batch's sums are combined
+        across the ranks in one exchange per layer, before the ``seed``, and stored as this
+        rank's 1/size share."""
+        window = self.policy.seed_window()
         if window == 0 or forward_batch.extend_seq_lens_cpu is None or not self._extending.rows:
             return
         lid, ranks = layer.layer_id, self.ctx.ranks
@@ -352,7 +377,7 @@ class LetheRuntime(PolicyRuntime):
         if ranks is not None:
             sums = ranks.sum(torch.cat(sums)).split([seq_len for _, seq_len, _, _ in extending])
         for (row, seq_len, _, _), received in zip(extending, sums, strict=True):
-            seed = rasr.pool_neighbours(received, self.policy.observation_pool)
+            seed = self.policy.seed(received)
             self.scores[lid, row, :seq_len] = seed if ranks is None else seed / ranks.size
 
     def prune(self, requests: list[StepRequest], lengths: list[int], engine: EngineOps) -> None:
@@ -383,6 +408,7 @@ class LetheRuntime(PolicyRuntime):
         positions = self.positions[:, rows, :n].transpose(0, 1)  # [requests, layers, n]
         scores = self.scores[:, rows, :n].transpose(0, 1)
         combined = scores if ranks is None else ranks.sum(scores)  # over every rank's heads
+        combined = own.round_scores(combined, counts)
         keep, found, salient_plus_recent = own.shrink_layers(
             positions.flatten(0, 1), combined.flatten(0, 1), sum(counts, [])
         )
@@ -392,7 +418,10 @@ class LetheRuntime(PolicyRuntime):
         kept_first = torch.sort((~outcome.stays).to(torch.int8), dim=2, stable=True)
         order = kept_first.indices
         self.positions[:, rows, :n] = positions.gather(2, order).transpose(0, 1)
-        self.scores[:, rows, :n] = scores.gather(2, order).transpose(0, 1)
+        if own.observed_steps() is None:
+            self.scores[:, rows, :n] = scores.gather(2, order).transpose(0, 1)
+        else:  # its next round sees only the queries after this one
+            self.scores[:, rows] = 0.0
         if self.layer_rows is not None:
             entries = outcome.entries
             if entries is None:
@@ -410,11 +439,11 @@ class LetheRuntime(PolicyRuntime):
             layers = (per_layer[i], found[i], salient_plus_recent[i])
             self._close_round(request, length, freed[i].numel(), *layers)
             logger.info(
-                "sglang_ext: lethe round %d of %s: %d positions, freed %d slots (available %d -> "
+                "sglang_ext: %s round %d of %s: %d positions, freed %d slots (available %d -> "
                 "%d), retained %d (radix-owned %d), next threshold %d, retained per layer %s",
-                request.state.rounds, request.rid, length, freed[i].numel(), available_before,
-                engine.available_slots(), length - request.state.evicted, request.protected_len,
-                request.state.policy_state.threshold, per_layer[i],
+                own.name, request.state.rounds, request.rid, length, freed[i].numel(),
+                available_before, engine.available_slots(), length - request.state.evicted,
+                request.protected_len, request.state.policy_state.threshold, per_layer[i],
             )  # fmt: skip
 
     def _close_round(
@@ -429,6 +458,10 @@ class LetheRuntime(PolicyRuntime):
         lethe.retained_per_layer, lethe.round_length = retained_per_layer, length
         retained = length - state.evicted
         lethe.threshold = state.policy.next_threshold(lethe.threshold, breakpoints, retained, length)
+        # the last ``observed`` queries before the next round: from this retained KV on
+        observed = state.policy.observed_steps()
+        reset_at = None if observed is None else lethe.threshold + 1 - observed
+        lethe.reset_at = reset_at if reset_at is not None and reset_at > retained else None
         self.stats.rounds += 1
         self.stats.freed_slots += freed
 
