@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up the project's virtual environment (.venv, or $SGLANG_EXT_VENV) and installs sglang_ext into it,
 # and the test tools' (.venv-tools, or $SGLANG_EXT_TOOLS_VENV: locust, schemathesis).
+#   Either host: kvpress (benchmarks/eviction_fidelity.py's extra), --no-deps.
 #   CUDA host: SGLang 0.5.17 with its own dependency closure (pip install -e .).
 #   No CUDA:   SGLang 0.5.17 without its CUDA-only closure, the packages its CPU engine imports,
 #              and torch/torchvision that load together (README, "Why the CPU install looks like this").
@@ -11,11 +12,13 @@ venv=${SGLANG_EXT_VENV:-$root/.venv}
 tools=${SGLANG_EXT_TOOLS_VENV:-$root/.venv-tools}
 [[ -x "$venv/bin/python" ]] || python3 -m venv "$venv"
 py="$venv/bin/python"
-# sglang is installed without its CUDA closure on purpose, so pip's report of its missing
-# requirements is expected noise; so are the machine's index notes. pip's own exit code still counts.
+# sglang is installed without its CUDA closure on purpose, and kvpress without its pins, so pip's
+# report of their missing requirements is expected noise; so are the machine's index notes. pip's own
+# exit code still counts.
 pip_install() {
   "$py" -m pip install --disable-pip-version-check -q "$@" 2>&1 \
-    | { grep -v -e "is ignored: it is neither" -e "^sglang 0.5.17 requires" -e "dependency resolver does not" || true; }
+    | { grep -v -e "is ignored: it is neither" -e "^sglang 0.5.17 requires" -e "^kvpress 0.5.5 requires" \
+        -e "dependency resolver does not" || true; }
 }
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then host=cuda; else host=cpu; fi
@@ -38,6 +41,8 @@ else
   pip_install --no-deps -e "$root"
   pip_install -r "$root/requirements/test.txt"
 fi
+# kvpress, the eviction-fidelity benchmark's extra, without its pins (requirements/kvpress.txt says why)
+pip_install --no-deps -r "$root/requirements/kvpress.txt"
 "$py" -c "import sglang, torch, torchvision, sglang_ext; print('setup: sglang', sglang.__version__, 'torch', torch.__version__, 'sglang_ext', sglang_ext.__version__)"
 # locust and schemathesis, which the soak and fuzz tests run as commands, in a venv of their own
 [[ -x "$tools/bin/python" ]] || python3 -m venv "$tools"

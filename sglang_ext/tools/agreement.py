@@ -9,13 +9,15 @@ each layer reads what its ``reads`` say: every token (full), the last W (a windo
 and TidalDecode, as ``layer_roles`` assigns — a selection layer reads every token, then chooses by
 the policy's own ``Selection.choose`` from the engine's token scores; a sparse layer reads the
 latest choice; under Lethe each layer reads what the engine's own Lethe runtime retains after a
-decode from the prompt's end to the position (``LetheReads``). The context is the reference text
-(teacher forcing); the step is the policy's. benchmarks/agreement.py reports it;
-sglang_ext.tools.calibrate chooses layer lists by it.
+decode from the prompt's end to the position (``LetheReads``); under a kvpress press, what its
+compressions keep (sglang_ext.tools.kvpress_reads). The context is the reference text (teacher
+forcing); the step is the policy's. benchmarks/agreement.py and benchmarks/eviction_fidelity.py
+report it; sglang_ext.tools.calibrate chooses layer lists by it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from types import SimpleNamespace
 
@@ -237,13 +239,34 @@ _step: OneStep | None = None  # while a one-step decode runs
 _recorded: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]] = {}
 
 
-def _attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    # transformers' own signature: a wrapper that passes dropout by position (kvpress's, applied
+    # to every registered attention function when kvpress is imported) calls it right
     if _step is not None:
         return _step.attend(module.layer_idx, query, key, value, scaling)
     _recorded[module.layer_idx] = (query[0].float(), key[0].float(), value[0].float(), scaling)
     return sdpa_attention_forward(
-        module, query, key, value, attention_mask, scaling=scaling, **kwargs
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )
+
+
+@contextlib.contextmanager
+def _attention_inputs(model, into: dict[int, torch.Tensor]):
+    """While it lasts, each layer's attention input (its hidden states, [tokens, hidden]) goes
+    into ``into``, by layer."""
+
+    def record(module, args, kwargs):
+        into[module.layer_idx] = kwargs["hidden_states"][0].float()
+
+    hooks = [
+        layer.self_attn.register_forward_pre_hook(record, with_kwargs=True)
+        for layer in model.model.layers
+    ]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 AttentionInterface.register(ATTENTION, _attention)
@@ -303,7 +326,8 @@ def agreement(reference: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tens
 @dataclasses.dataclass
 class Passage:
     """A prefilled reference text: its ids, the measured positions, full attention's logits at
-    them, every layer's K/V and queries, and the attention's scaling."""
+    them, every layer's K/V and queries, the attention's scaling and, where asked for, every
+    layer's attention input (``hidden``)."""
 
     ids: list[int]
     positions: list[int]
@@ -312,10 +336,18 @@ class Passage:
     values: dict[int, torch.Tensor]
     queries: dict[int, torch.Tensor]
     scaling: float
+    hidden: dict[int, torch.Tensor] | None = None  # layer -> [tokens, hidden]
 
     @classmethod
-    def prefill(cls, model, ids: list[int], positions: list[int]) -> Passage:
-        return cls(ids, positions, *prefill(model, ids, positions))
+    def prefill(
+        cls, model, ids: list[int], positions: list[int], hidden_states: bool = False
+    ) -> Passage:
+        """``hidden_states``: also keep each layer's attention input, for reads that recompute
+        queries from it (kvpress's presses: sglang_ext.tools.kvpress_reads)."""
+        hidden: dict[int, torch.Tensor] = {}
+        with _attention_inputs(model, hidden) if hidden_states else contextlib.nullcontext():
+            recorded = prefill(model, ids, positions)
+        return cls(ids, positions, *recorded, hidden=hidden or None)
 
     def measure(self, model, reads) -> tuple[torch.Tensor, torch.Tensor]:
         """Per position: top-1 agreement and KL of the step that ``reads`` describe."""

@@ -1,0 +1,277 @@
+"""Eviction fidelity at equal KV (issue 56): NVIDIA kvpress's decode-time eviction presses beside
+this project's evicting policies (Lethe), in one run on the same passages and positions by the
+same measure: how close each keeps the model's next-token distribution to full attention's, and
+how much KV it held for it.
+
+    python -m benchmarks.eviction_fidelity --lengths 4096 --prompts-per-length 3 --kv-ratios 0.2,0.3,0.5
+
+The measure is benchmarks.agreement's (sglang_ext.tools.agreement): a passage of natural text is
+prefilled once under full attention (transformers, SmolLM2's real weights, fp32, CPU); at every
+--stride-th position from --positions-from on, one decode step runs with each layer reading only
+what a method holds there, and is compared with full attention's next-token distribution (top-1
+agreement, KL(full ‖ method)). The first --positions-from tokens are the prompt; the rest are
+decoded teacher-forced (every token's context is the reference text's).
+
+Methods, each at every kv ratio R of --kv-ratios (a row's ``budget``):
+
+- ``kvpress-NAME`` for each of --presses: kvpress's press NAME as its
+  ``PrefillDecodingPress(P, CompressionRatioDecodingPress(P, 1 - R, --compression-interval))``
+  would evict: the prompt compressed at prefill to R of it, then every --compression-interval
+  decoded tokens the cache re-compressed to R of the tokens seen, each KV head keeping its own
+  top scores (sglang_ext.tools.kvpress_reads says exactly how its presses are driven).
+- each of --policies (``NAME`` or ``NAME:{json}``, ';'-separated), any registered policy that
+  evicts, decoded through the engine's own runtime (``agreement.LetheReads``): at each ratio with
+  ``max_kv_ratio`` R (and --evict-threshold) where the policy takes those parameters and the JSON
+  does not set them; otherwise once, as the JSON says (its budget then the policy's own).
+- ``full`` (the one-step path itself) and, with --window W, ``window-W``.
+
+``kv_kept_fraction``: per measured position, the share of the positions so far whose KV the method
+held there (mean over layers and KV heads for kvpress), averaged over positions. Compare methods at
+equal kept fractions, not equal R: a kvpress press sits at R right after each compression and
+grows by the tokens decoded since; Lethe holds more than its cap between its rounds.
+
+kvpress is an extra (requirements/kvpress.txt, installed --no-deps by scripts/setup.sh);
+``--presses ''`` runs without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import time
+
+import torch
+from transformers import AutoTokenizer
+
+from benchmarks import harness
+from benchmarks.harness import Row, RunInfo
+from sglang_ext.policies import PolicyConfigError, build_policy, policy_class
+from sglang_ext.tools import agreement as ag
+from sglang_ext.tools import attention_trace as at
+from sglang_ext.tools.calibrate import model_slug
+
+BENCH = "eviction_fidelity"
+KVPRESS_PRESSES = ("snapkv", "tova", "expected_attention", "streaming_llm", "knorm", "random")
+METRICS = ("top1_agreement", "kl_nats", "kv_kept_fraction")
+
+
+def policy_spec(text: str) -> tuple[str, dict]:
+    """``NAME`` or ``NAME:{json}`` -> (a registered policy that evicts, its parameters)."""
+    name, _, params_text = text.partition(":")
+    try:
+        params = json.loads(params_text) if params_text else {}
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"{name}: {params_text!r} is not JSON") from err
+    if not isinstance(params, dict):
+        raise argparse.ArgumentTypeError(f"{name}: expected a JSON object, got {params_text!r}")
+    try:
+        policy = build_policy(name, params)
+    except PolicyConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+    if not policy.evicts():
+        raise argparse.ArgumentTypeError(f"{name} evicts nothing: it has no eviction to measure")
+    return name, params
+
+
+def policy_list(text: str) -> list[tuple[str, dict]]:
+    return [policy_spec(part.strip()) for part in text.split(";") if part.strip()]
+
+
+def press_list(text: str) -> list[str]:
+    names = harness.name_list(text)
+    unknown = [name for name in names if name not in KVPRESS_PRESSES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown presses {unknown} (known: {KVPRESS_PRESSES})")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = harness.trace_parser(BENCH, __doc__, lengths=[4096])
+    parser.set_defaults(prompts_per_length=3)
+    parser.add_argument("--kv-ratios", type=harness.float_list, default=[0.2, 0.3, 0.5])
+    parser.add_argument("--positions-from", type=int, default=1024, help="the prompt's tokens")
+    parser.add_argument("--stride", type=int, default=64, help="every stride-th position measured")
+    parser.add_argument(
+        "--presses", type=press_list, default=list(KVPRESS_PRESSES),
+        help="kvpress presses to measure (none: an empty string)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compression-interval", type=int, default=64,
+        help="decoded tokens between kvpress's compressions",
+    )  # fmt: skip
+    parser.add_argument(
+        "--policies", type=policy_list, default=[("lethe", {})],
+        help="';'-separated NAME or NAME:{json}: registered policies that evict",
+    )  # fmt: skip
+    parser.add_argument(
+        "--evict-threshold", type=int, default=1024,
+        help="evict_threshold of the policies that take one (Lethe's first round)",
+    )  # fmt: skip
+    parser.add_argument("--window", type=int, default=None, help="also the last W tokens")
+    return parser
+
+
+def policy_readers(args, num_layers: int) -> dict[tuple[str, str], object]:
+    """(label, budget) -> reads, for each of --policies (see the module's docstring)."""
+    out = {}
+    for name, params in args.policies:
+        fields = {field.name for field in dataclasses.fields(policy_class(name))}
+        changes = ",".join(f"{key}={json.dumps(value)}" for key, value in params.items())
+        label = f"{name}[{changes}]" if changes else name
+        if "max_kv_ratio" in fields and "max_kv_ratio" not in params:
+            configs = [(f"{ratio:g}", {"max_kv_ratio": ratio}) for ratio in args.kv_ratios]
+        else:
+            configs = [(None, {})]
+        for budget, config in configs:
+            if "evict_threshold" in fields:
+                config["evict_threshold"] = args.evict_threshold
+            policy = build_policy(name, {**config, **params})
+            ratio = getattr(policy, "max_kv_ratio", None)
+            budget = budget or (f"{ratio:g}" if ratio is not None else policy.budget())
+            out[label, budget] = ag.LetheReads(policy, num_layers, args.positions_from)
+    return out
+
+
+def readers(args, model) -> dict[tuple[str, str], object]:
+    """(label, budget) -> what each layer reads: full, the window, kvpress's presses and the
+    policies, at each kv ratio."""
+    out: dict[tuple[str, str], object] = {("full", ""): ag.FullReads()}
+    if args.window:
+        out[f"window-{args.window}", f"{args.window} tokens"] = ag.WindowReads(args.window)
+    if args.presses:
+        from sglang_ext.tools import kvpress_reads as kr
+
+        for ratio in args.kv_ratios:
+            for name in args.presses:
+                press = kr.make_press(name, args.compression_interval)
+                reads = kr.KvpressReads(
+                    model, press, ratio, args.positions_from, args.compression_interval
+                )
+                out[f"kvpress-{name}", reads.budget] = reads
+    return {**out, **policy_readers(args, model.config.num_hidden_layers)}
+
+
+def measure(args, model_path) -> tuple[dict, str]:
+    """(label, budget, length) -> (top-1 per position, KL per position, share of KV kept per
+    position or []) over every passage; the source."""
+    model = ag.load_model(model_path, torch.float32)
+    reads = readers(args, model)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    results: dict[tuple[str, str, int], list[list]] = {}
+    source = ""
+    for length in args.lengths:
+        positions = list(range(args.positions_from, length, args.stride))
+        texts, source = at.natural_text_prompts(
+            tokenizer, [length] * args.prompts_per_length, args.text_dir
+        )
+        for ids in texts:
+            start = time.perf_counter()
+            passage = ag.Passage.prefill(model, ids, positions, hidden_states=bool(args.presses))
+            for (label, budget), reader in reads.items():
+                began = time.perf_counter()
+                top1, kl = passage.measure(model, reader)
+                entry = results.setdefault((label, budget, length), [[], [], []])
+                entry[0].append(top1)
+                entry[1].append(kl)
+                entry[2] += reader.take_kept()
+                print(
+                    f"{BENCH}: {label} {budget} in {time.perf_counter() - began:.0f} s", flush=True
+                )
+            elapsed = time.perf_counter() - start
+            print(
+                f"{BENCH}: {length}-token passage, {len(positions)} positions in {elapsed:.0f} s",
+                flush=True,
+            )
+    merged = {key: (torch.cat(t), torch.cat(k), kept) for key, (t, k, kept) in results.items()}
+    return merged, source
+
+
+def means(results: dict) -> dict[tuple[str, str, int], dict[str, float]]:
+    """Per (label, budget, length): each metric's mean over positions and passages (no
+    kv_kept_fraction for reads that evict nothing)."""
+    out = {}
+    for key, (top1, kl, kept) in results.items():
+        out[key] = {"top1_agreement": float(top1.mean()), "kl_nats": float(kl.mean())}
+        if kept:
+            out[key]["kv_kept_fraction"] = sum(kept) / len(kept)
+    return out
+
+
+def rows_of(info: RunInfo, shape: str, values: dict) -> list[Row]:
+    rows = []
+    for (label, budget, length), metrics in values.items():
+        for metric, value in metrics.items():
+            row = info.row(
+                bench=BENCH, policy=label, model_shape=shape, batch=1, context=length,
+                metric=metric, value=value, attention_backend="torch", kv_source="real",
+                budget=budget,
+            )  # fmt: skip
+            rows.append(row)
+    return rows
+
+
+def _ratio_order(budget: str) -> tuple:
+    try:
+        return (0, float(budget))
+    except ValueError:
+        return (1, budget)
+
+
+def markdown(values: dict) -> str:
+    """One table: each method at each kv ratio asked, grouped by context and ratio."""
+    lines = [
+        "| context | kv ratio asked | method | top-1 agreement | KL (nats) | KV kept fraction |",
+        "| ---: | ---: | --- | ---: | ---: | ---: |",
+    ]
+    order = sorted(values, key=lambda key: (key[2], _ratio_order(key[1])))
+    for label, budget, length in order:
+        metric = values[label, budget, length]
+        kept = metric.get("kv_kept_fraction")
+        lines.append(
+            f"| {length} | {budget or 'all'} | {label} | {metric['top1_agreement']:.4f} "
+            f"| {metric['kl_nats']:.4g} | {'–' if kept is None else f'{kept:.4f}'} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not all(0 <= args.positions_from < length for length in args.lengths):
+        parser.error(f"--positions-from {args.positions_from} must lie inside each of --lengths")
+    if not all(0 < ratio <= 1 for ratio in args.kv_ratios):
+        parser.error(f"--kv-ratios {args.kv_ratios}: each must be in (0, 1]")
+    if args.presses and args.compression_interval < 2:
+        parser.error("--compression-interval must be >= 2 (SnapKV's window is shorter than it)")
+    if args.presses and importlib.util.find_spec("kvpress") is None:
+        parser.error(
+            "kvpress is not installed: pip install --no-deps -r requirements/kvpress.txt "
+            "(scripts/setup.sh does), or --presses ''"
+        )
+    torch.set_num_threads(args.threads)
+    from sglang_ext.model import default_model_path
+
+    model_path = args.model_path or default_model_path()
+    info = RunInfo.detect()
+    results, source = measure(args, model_path)
+    values = means(results)
+    shape = model_slug(model_path)
+    harness.save_results(
+        BENCH, shape, rows_of(info, shape, values), info, args.out_dir, args.results_md
+    )
+    table = markdown(values)
+    print(f"\n{table}\n", flush=True)
+    positions = f"every {args.stride}th position from {args.positions_from}"
+    with open(args.results_md, "a") as md:
+        md.write(
+            f"{table}\n\n- {model_path.name} (real weights), fp32 on the CPU; "
+            f"{args.prompts_per_length} passage(s) per length, {positions}; kvpress compressing "
+            f"every {args.compression_interval} decoded tokens; passages: {source}. Values are "
+            "means over positions and passages; `full` runs the methods' one-step path.\n\n"
+        )
+
+
+if __name__ == "__main__":
+    main()

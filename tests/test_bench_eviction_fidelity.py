@@ -1,0 +1,175 @@
+"""The eviction-fidelity benchmark, small, on SmolLM2's real weights: kvpress's presses driven over
+a passage keep what kvpress's own hooks keep, StreamingLLM its sinks and window by kvpress's
+definition, a press asked to keep everything reads as full attention does, the kept fraction is
+the ratio asked right after a compression, and the rows have the schema."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer, DynamicCache
+
+from benchmarks import eviction_fidelity
+from row_schema import assert_rows_schema
+from sglang_ext.tools import agreement as ag
+from sglang_ext.tools import attention_trace as at
+
+PROMPT, LENGTH, STRIDE, INTERVAL = 128, 256, 32, 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread here: the steps are small, and on a busy 2-core machine a second thread
+    makes every op wait for a core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def rows(model_path, tmp_path_factory) -> list[dict]:
+    pytest.importorskip("kvpress")
+    out = tmp_path_factory.mktemp("eviction_fidelity")
+    eviction_fidelity.main([
+        "--model-path", str(model_path), "--lengths", str(LENGTH), "--prompts-per-length", "1",
+        "--positions-from", str(PROMPT), "--stride", str(STRIDE), "--kv-ratios", "0.3,1.0",
+        "--compression-interval", str(INTERVAL), "--window", "64", "--evict-threshold", "64",
+        "--policies", 'lethe;lethe:{"max_kv_ratio": 0.5}', "--threads", "1",
+        "--out-dir", str(out), "--results-md", str(out / "RESULTS.md"),
+    ])  # fmt: skip
+    (rows_path,) = out.glob("eviction_fidelity-*.json")
+    assert "| context | kv ratio asked | method |" in (out / "RESULTS.md").read_text()
+    return json.loads(rows_path.read_text())
+
+
+@pytest.fixture(scope="module")
+def values(rows) -> dict:
+    return {(row["policy"], row["budget"], row["metric"]): row["value"] for row in rows}
+
+
+def test_rows_have_the_schema_and_name_the_ratio_asked(rows):
+    assert_rows_schema(rows, "eviction_fidelity", kv_sources={"real"})
+    budgets = {(row["policy"], row["budget"]) for row in rows}
+    for press in eviction_fidelity.KVPRESS_PRESSES:
+        assert {(f"kvpress-{press}", "0.3"), (f"kvpress-{press}", "1")} <= budgets
+    assert {("lethe", "0.3"), ("lethe", "1"), ("lethe[max_kv_ratio=0.5]", "0.5")} <= budgets
+    assert {("full", ""), ("window-64", "64 tokens")} <= budgets
+    assert len(budgets) == 2 * 6 + 3 + 2  # the explicit max_kv_ratio is measured once
+
+
+def test_keeping_everything_reads_as_full_attention(values):
+    for label in [f"kvpress-{press}" for press in eviction_fidelity.KVPRESS_PRESSES] + ["lethe"]:
+        assert values[label, "1", "top1_agreement"] == 1.0, label
+        assert values[label, "1", "kl_nats"] < 1e-6, label
+        assert values[label, "1", "kv_kept_fraction"] == 1.0, label
+    assert values["full", "", "kl_nats"] < 1e-6
+
+
+def test_at_a_compression_a_press_holds_the_ratio_asked(values):
+    # each measured position comes right after a compression (the stride a multiple of the
+    # interval): each layer holds int(p * 0.3) of the p tokens seen, and reads the step's token
+    positions = range(PROMPT, LENGTH, STRIDE)
+    expected = sum((int(p * 0.3) + 1) / (p + 1) for p in positions) / len(positions)
+    for press in eviction_fidelity.KVPRESS_PRESSES:
+        kept = values[f"kvpress-{press}", "0.3", "kv_kept_fraction"]
+        assert kept == pytest.approx(expected), press
+        assert values[f"kvpress-{press}", "0.3", "kl_nats"] > 1e-4, press
+    # Lethe holds its cap after a round and more until the next
+    assert 0.3 < values["lethe", "0.3", "kv_kept_fraction"] < 0.5
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [("tidal", "evicts nothing"), ("lethe:{oops", "not JSON"), ("lethe:[1]", "JSON object"),
+     ("lethe:{\"max_kv_ratio\": 2}", "max_kv_ratio")],
+)  # fmt: skip
+def test_policies_that_evict_nothing_or_bad_parameters_are_refused(text, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit:
+        eviction_fidelity.main(["--policies", text, "--out-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "--policies" in err and message in err, err
+
+
+@pytest.fixture(scope="module")
+def passage(model_path):
+    pytest.importorskip("kvpress")
+    model = ag.load_model(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    (ids,), _ = at.natural_text_prompts(tokenizer, [LENGTH])
+    positions = list(range(PROMPT, LENGTH, STRIDE))
+    return model, ag.Passage.prefill(model, ids, positions, hidden_states=True)
+
+
+def reads_of(model, name: str, kv_ratio: float = 0.3):
+    from sglang_ext.tools import kvpress_reads as kr
+
+    return kr.KvpressReads(model, kr.make_press(name, INTERVAL), kv_ratio, PROMPT, INTERVAL)
+
+
+@torch.inference_mode()
+def test_streaming_llm_keeps_its_sinks_and_window_by_kvpress_definition(passage):
+    model, text = passage
+    reads = reads_of(model, "streaming_llm")
+    reads.advance(text, PROMPT)
+    # the prompt's compression: the 4 sinks and the most recent of the int(128 * 0.3) = 38 kept
+    prompt_kept = set(range(4)) | set(range(PROMPT - 34, PROMPT))
+    for layer in range(model.config.num_hidden_layers):
+        for head in reads.held(layer):
+            assert set(head.tolist()) == prompt_kept
+    # a decode compression keeps the cache's first 4 entries and its last (int(144 * 0.3) - 4);
+    # the cache's order is topk's from the last compression on, not the positions'
+    step = PROMPT + INTERVAL - 1
+    reads.advance(text, step)
+    cache = torch.cat([reads.held(0), torch.full((reads.held(0).shape[0], 1), step)], dim=1)
+    reads.advance(text, step + 1)
+    n_kept = int((step + 1) * 0.3)
+    for head, kept in zip(cache, reads.held(0)):
+        assert set(kept.tolist()) == set(head[:4].tolist()) | set(head[4 - n_kept :].tolist())
+
+
+def cached_positions(cache_keys: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """[kv_heads, n]: the passage position of each key in a kvpress cache (its nearest key)."""
+    distance = torch.cdist(cache_keys, keys, compute_mode="donot_use_mm_for_euclid_dist")
+    assert float(distance.min(-1).values.max()) < 1e-3  # each is one of the passage's keys
+    return distance.argmin(-1)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "expected_attention", "streaming_llm"])
+@torch.inference_mode()
+def test_the_driving_keeps_what_kvpress_own_hooks_keep(passage, name):
+    """kvpress's own PrefillDecodingPress over the same tokens, teacher-forced: after the prompt
+    every layer's cache holds what the reads hold, in the same order; after decode compressions
+    layer 0 still does (above it kvpress's decoded tokens see a compressed cache, where the
+    reads keep full attention's)."""
+    from kvpress import CompressionRatioDecodingPress, PrefillDecodingPress
+
+    from sglang_ext.tools.kvpress_reads import make_press
+
+    model, text = passage
+    reads = reads_of(model, name)
+    own = make_press(name, INTERVAL)  # a press of its own: the reads set their press's ratio
+    decoding = CompressionRatioDecodingPress(
+        base_press=own, target_compression_ratio=0.7, compression_interval=INTERVAL
+    )
+    own.compression_ratio = 0.7
+    press = PrefillDecodingPress(prefilling_press=own, decoding_press=decoding)
+    cache, ids = DynamicCache(), torch.tensor([text.ids])
+    last = PROMPT + 2 * INTERVAL - 1  # two decode compressions
+    with press(model):
+        # transformers 5.12 passes no cache_position, which kvpress's hooks read: given by hand
+        model(input_ids=ids[:, :PROMPT], past_key_values=cache, cache_position=torch.arange(PROMPT))
+        reads.advance(text, PROMPT)
+        for layer in range(model.config.num_hidden_layers):
+            held = cached_positions(cache.layers[layer].keys[0], text.keys[layer])
+            assert torch.equal(held, reads.held(layer)), layer
+        for position in range(PROMPT, last + 1):
+            model(
+                input_ids=ids[:, position : position + 1], past_key_values=cache,
+                position_ids=torch.tensor([[position]]),
+                cache_position=torch.tensor([cache.get_seq_length()]),
+            )  # fmt: skip
+    reads.advance(text, last + 1)
+    held = cached_positions(cache.layers[0].keys[0], text.keys[0])
+    assert held.shape[1] == int((last + 1) * 0.3)
+    assert torch.equal(held, reads.held(0))
