@@ -39,14 +39,18 @@ _last_keys: dict[int, torch.Tensor] = {}  # layer -> [kv_heads, tokens, dim] of 
 _last_values: dict[int, torch.Tensor] = {}  # likewise
 
 
-def _trace_attention(module, query, key, value, attention_mask, **kwargs):
-    """SDPA, recording the decode query of each layer while a decode step is being traced."""
+def _trace_attention(module, query, key, value, attention_mask, dropout=0.0, **kwargs):
+    """SDPA, recording the decode query of each layer while a decode step is being traced.
+    transformers' own signature: kvpress, once imported, wraps every registered attention
+    function and passes ``dropout`` by position."""
     if _recorded_queries is not None:
         assert query.shape[0] == 1 and query.shape[2] == 1, "the trace decodes one sequence"
         _recorded_queries[module.layer_idx] = query[0, :, 0].float()
         _last_keys[module.layer_idx] = key[0]
         _last_values[module.layer_idx] = value[0]
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, **kwargs
+    )
 
 
 AttentionInterface.register(TRACE_ATTENTION, _trace_attention)
