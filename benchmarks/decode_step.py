@@ -116,8 +116,9 @@ def run_policy(
             *(["--skip-prefill-compute"] if args.skip_prefill_compute else []),
             *child_flags,
         ]  # fmt: skip
-        if not harness.is_vanilla(policy) and args.policy_config:
-            argv += ["--policy-config", args.policy_config]
+        own = harness.policy_config(policy, args.policy_config, args.policies)
+        if not harness.is_vanilla(policy) and own:
+            argv += ["--policy-config", own]
         names = harness.request_policies(policy)
         if names != [None]:  # a server of several: its requests name them in turn
             argv += ["--request-policies", ",".join(names)]
@@ -215,7 +216,9 @@ def point_fields(args, bench: str, policy: str, result: dict, batch: int, contex
         bench=bench, policy=policy, model_shape=args.shape, batch=batch, context=context,
         attention_backend=result["backend_flag"],
         kv_source="synthetic" if args.skip_prefill_compute else "real",
-        budget=harness.policy_budget(policy, args.policy_config),
+        budget=harness.policy_budget(
+            policy, harness.policy_config(policy, args.policy_config, args.policies)
+        ),
     )  # fmt: skip
 
 

@@ -149,7 +149,8 @@ def server_argv(args: argparse.Namespace, policy: str, port: int) -> list[str]:
         flags += ["--cuda-graph-max-bs", str(args.cuda_graph_max_bs)]
     if name == harness.VANILLA:
         return [sys.executable, "-m", "sglang.launch_server", *flags]
-    config = ["--policy-config", args.policy_config] if args.policy_config else []
+    own = harness.policy_config(policy, args.policy_config, args.policies)
+    config = ["--policy-config", own] if own else []
     served = harness.served_policy(policy)
     return [sys.executable, "-m", "sglang_ext.launch", "--policy", served, *config, *flags]
 
@@ -437,7 +438,10 @@ def measure_policy(args, policy: str, prompts: list[list[int]], info: RunInfo) -
         policy=policy, device=info.device, sglang_version=info.sglang_version, date=info.date,
         output_tok_s=tok_s, retracted=retracted, samples=sampler.samples, greedy=greedy,
         attention_backend=flag_value(argv, "--attention-backend", ""),
-        budget=harness.policy_budget(policy, args.policy_config), step_curve=step_curve,
+        budget=harness.policy_budget(
+            policy, harness.policy_config(policy, args.policy_config, args.policies)
+        ),
+        step_curve=step_curve,
         step_ms=step_ms, step_residual=step_residual, mean_attended=attended,
     )  # fmt: skip
 

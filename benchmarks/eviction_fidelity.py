@@ -19,6 +19,8 @@ Methods, each at every kv ratio R of --kv-ratios (a row's ``budget``):
   would evict: the prompt compressed at prefill to R of it, then every --compression-interval
   decoded tokens the cache re-compressed to R of the tokens seen, each KV head keeping its own
   top scores (sglang_ext.tools.kvpress_reads says exactly how its presses are driven).
+  ``--kvpress-lists layer`` (or ``both``) also measures each press with one list per layer
+  (``kvpress-NAME/layer``: its scores averaged over the layer's KV heads, as on Lethe's runtime).
 - each of --policies (``NAME`` or ``NAME:{json}``, ';'-separated), any registered policy that
   evicts, decoded through the engine's own runtime (``agreement.LetheReads``): at each ratio with
   ``max_kv_ratio`` R (and --evict-threshold) where the policy takes those parameters and the JSON
@@ -102,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="decoded tokens between kvpress's compressions",
     )  # fmt: skip
     parser.add_argument(
+        "--kvpress-lists", choices=("head", "layer", "both"), default="head",
+        help="kvpress's own lists per KV head, one per layer (scores averaged over heads), or both",
+    )  # fmt: skip
+    parser.add_argument(
         "--policies", type=policy_list, default=[("lethe", {})],
         help="';'-separated NAME or NAME:{json}: registered policies that evict",
     )  # fmt: skip
@@ -143,13 +149,17 @@ def readers(args, model) -> dict[tuple[str, str], object]:
     if args.presses:
         from sglang_ext.tools import kvpress_reads as kr
 
+        per_layer = {"head": [False], "layer": [True], "both": [False, True]}[args.kvpress_lists]
         for ratio in args.kv_ratios:
             for name in args.presses:
-                press = kr.make_press(name, args.compression_interval)
-                reads = kr.KvpressReads(
-                    model, press, ratio, args.positions_from, args.compression_interval
-                )
-                out[f"kvpress-{name}", reads.budget] = reads
+                for one_list in per_layer:
+                    press = kr.make_press(name, args.compression_interval)
+                    reads = kr.KvpressReads(
+                        model, press, ratio, args.positions_from, args.compression_interval,
+                        one_list_per_layer=one_list,
+                    )  # fmt: skip
+                    label = f"kvpress-{name}/layer" if one_list else f"kvpress-{name}"
+                    out[label, reads.budget] = reads
     return {**out, **policy_readers(args, model.config.num_hidden_layers)}
 
 

@@ -130,8 +130,10 @@ def common_parser(bench: str, doc: str) -> argparse.ArgumentParser:
     )
     parser.add_argument("--policies", type=name_list, default=[VANILLA, "full"])
     parser.add_argument(
-        "--policy-config", default=None, help="JSON given to every non-vanilla policy"
-    )
+        "--policy-config", default=None,
+        help="JSON given to every non-vanilla policy, or an object keyed by --policies entries "
+        "(each gets its own; an entry not named gets its defaults)",
+    )  # fmt: skip
     parser.add_argument(
         "--max-total-tokens", type=int, default=None, help="KV pool size (default: SGLang's)"
     )
@@ -276,6 +278,17 @@ def request_policies(name: str) -> list[str | None]:
     """The ``kv_policy.name`` each request names, in turn: a mix's members; [None] otherwise."""
     policy = split_policy(name)[0]
     return policy.split(MIX_SEPARATOR) if MIX_SEPARATOR in policy else [None]
+
+
+def policy_config(policy: str, config: str | None, policies: list[str]) -> str | None:
+    """``--policy-config`` as ``policy`` (one of ``policies``) gets it: the entry under its name
+    when every key of the object names one of ``policies``, else the whole text."""
+    if not config:
+        return None
+    value = json.loads(config)
+    if isinstance(value, dict) and value and set(value) <= set(policies):
+        return json.dumps(value[policy]) if policy in value else None
+    return config
 
 
 def policy_budget(name: str, config: str | None) -> str:

@@ -173,3 +173,22 @@ def test_the_driving_keeps_what_kvpress_own_hooks_keep(passage, name):
     held = cached_positions(cache.layers[0].keys[0], text.keys[0])
     assert held.shape[1] == int((last + 1) * 0.3)
     assert torch.equal(held, reads.held(0))
+
+
+@torch.inference_mode()
+def test_one_list_per_layer_keeps_the_same_entries_in_every_kv_head(passage):
+    from sglang_ext.tools import kvpress_reads as kr
+
+    model, text = passage
+    per_head = reads_of(model, "snapkv")
+    per_layer = kr.KvpressReads(
+        model, kr.make_press("snapkv", INTERVAL), 0.3, PROMPT, INTERVAL, one_list_per_layer=True
+    )
+    step = PROMPT + 2 * INTERVAL  # after two decode compressions
+    per_head.advance(text, step)
+    per_layer.advance(text, step)
+    layer = model.config.num_hidden_layers - 1
+    shared, own = per_layer.held(layer), per_head.held(layer)
+    assert shared.shape == own.shape  # the same count kept
+    assert all(torch.equal(head, shared[0]) for head in shared)
+    assert not all(torch.equal(head.sort().values, own[0].sort().values) for head in own)

@@ -37,6 +37,21 @@ def test_e2e_starts_vanilla_sglang_or_the_launcher_by_the_name_before_the_backen
     assert harness.policy_budget("lethe/delta", None).startswith("lethe: max_kv_ratio 0.3")
 
 
+def test_a_policy_config_keyed_by_the_runs_policies_gives_each_its_own():
+    run = ["--shape", "qwen1.5b", "--policies", "vanilla@fa3,lethe,h2o"]
+    keyed = '{"h2o": {"compression_ratio": 0.7}}'
+    args = e2e.build_parser().parse_args([*run, "--policy-config", keyed])
+    h2o, lethe = e2e.server_argv(args, "h2o", 30000), e2e.server_argv(args, "lethe", 30000)
+    assert h2o[h2o.index("--policy-config") + 1] == '{"compression_ratio": 0.7}'
+    assert "--policy-config" not in lethe  # not named: its defaults
+    # keys that are not all the run's policies: a config for every policy, as given
+    shared = '{"max_kv_ratio": 0.5}'
+    assert harness.policy_config("lethe", shared, ["lethe", "h2o"]) == shared
+    assert harness.policy_budget("h2o", harness.policy_config("h2o", keyed, ["h2o"])).startswith(
+        "compression_ratio 0.7"
+    )
+
+
 def test_greedy_tokens_are_compared_with_vanilla_on_the_same_backend():
     def run(policy, backend, greedy):
         return e2e.PolicyRun(policy, "dev", "0.5.17", "today", 1.0, 0, [], greedy, backend)

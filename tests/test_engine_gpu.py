@@ -51,6 +51,11 @@ CONFIGS = {
     "lethe_layers": ("lethe", {
         "evict_threshold": THRESHOLD, "max_kv_ratio": MAX_KV_RATIO, "sparse_ratio": 2.0,
     }, []),
+    # the public decode-time scorers on Lethe's runtime, each request naming its own
+    "scorers": ("snapkv,tova,h2o", {
+        name: {"compression_ratio": 0.7, "compression_interval": 64}
+        for name in ("snapkv", "tova", "h2o")
+    }, []),
     # every request its own policy, in one batch (policies/mix.py)
     "mix": ("lethe,delta,tidal,full", {
         "lethe": {"evict_threshold": THRESHOLD, "max_kv_ratio": MAX_KV_RATIO},
@@ -184,13 +189,19 @@ def test_small_budgets_attend_to_their_selection_and_answer(servers, name):
     assert_pool_exact(servers[name])
 
 
-@pytest.mark.parametrize("name", ["lethe", "lethe_layers"])
-def test_lethe_frees_slots_in_rounds_and_the_pool_stays_exact(servers, name):
+@pytest.mark.parametrize(
+    "name, spec",
+    [("lethe", None), ("lethe_layers", None), ("scorers", "snapkv"), ("scorers", "tova"),
+     ("scorers", "h2o")],
+)  # fmt: skip
+def test_evicting_policies_free_slots_in_rounds_and_the_pool_stays_exact(servers, name, spec):
     needs(servers, name)
     server = servers[name]
+    chosen = {} if spec is None else {"custom_params": {"kv_policy": {"name": spec}}}
     for text in (PROMPTS[0], LONG_PROMPT):
-        out = generate(server, text, max_new_tokens=300)
+        out = generate(server, text, max_new_tokens=300, **chosen)
         meta = out["meta_info"]
+        assert meta["kv_policy"][-1] == (spec or CONFIGS[name][0])
         evicted, retained = meta["kv_evicted_tokens"], meta["kv_retained_tokens"]
         rounds = sum(after > before for before, after in zip([0, *evicted], evicted))
         assert meta["completion_tokens"] == 300 and rounds >= 2

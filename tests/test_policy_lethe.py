@@ -12,7 +12,7 @@ from sglang_ext.policies.lethe import Lethe
     "field,value",
     [("evict_threshold", 0), ("sparse_ratio", 1.0), ("sparse_ratio", float("inf")),
      ("recent_ratio", 1.0), ("recent_ratio", -0.1), ("sink_tokens", -1), ("segments", 1),
-     ("decay", 0.0), ("decay", 1.5)],
+     ("decay", 0.0), ("decay", 1.5), ("round_interval", 0)],
 )  # fmt: skip
 def test_out_of_range_parameters_name_the_field(field, value):
     with pytest.raises(PolicyConfigError) as error:
@@ -83,6 +83,16 @@ def test_threshold_under_a_kv_budget_stops_doubling_where_expected_kv_is():
     budget = math.ceil(policy.round_cap(8192) * 1.3)
     assert policy.next_threshold(4096, [none.salient_plus_recent], retained=2458, length=8192) == budget
     assert budget == policy.expected_kv(8192) < 4096
+
+
+def test_a_round_interval_sets_the_cadence_and_expected_kv_grows_by_it():
+    policy = Lethe(evict_threshold=1024, max_kv_ratio=0.3, round_interval=64)
+    none = Lethe().shrink_layer(torch.arange(4), torch.ones(4)).salient_plus_recent
+    # due 64 decoded tokens after the round, whatever Algorithm 1 or the budget would say
+    assert policy.next_threshold(1024, [none], retained=308, length=1025) == 308 + 63
+    assert policy.next_threshold(4096, [none], retained=2458, length=8192) == 2458 + 63
+    assert policy.expected_kv(8192) == policy.round_cap(8192) + 64
+    assert policy.expected_kv(2048) == 1024  # below the first round's threshold
 
 
 def test_union_is_capped_by_best_score_with_sink_and_recent_kept():

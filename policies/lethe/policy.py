@@ -228,6 +228,7 @@ class Lethe(EvictionPolicy):
     # reads one list for all layers, gathered once per step).
     request_params = (
         "evict_threshold", "recent_ratio", "sink_tokens", "segments", "max_kv_ratio",
+        "round_interval",
     )  # fmt: skip
 
     evict_threshold: int = 1024  # initial L_evict: retained tokens that trigger the first round
@@ -238,6 +239,9 @@ class Lethe(EvictionPolicy):
     segments: int = 10  # D: cut points of the sorted scores
     decay: float = 0.95  # gamma of RASR
     max_kv_ratio: float = 0.3  # a round leaves at most this fraction of a request's tokens' KV
+    # decoded tokens between rounds once a round has run; None: the next round comes when the
+    # retained KV outgrows the cap by a recent window (or Algorithm 1's threshold)
+    round_interval: int | None = None
     # with per-layer lists: memory is the sum of the layers' lists, packed into shared slots
     # (sglang_ext.policies.lethe.layer_memory); False: a slot is freed once no layer keeps its token (the union)
     pack_layers: bool = True
@@ -268,6 +272,8 @@ class Lethe(EvictionPolicy):
             )
         if not 0 < self.max_kv_ratio <= 1:
             self._error("max_kv_ratio", f"must be in (0, 1], got {self.max_kv_ratio}")
+        if self.round_interval is not None and self.round_interval < 1:
+            self._error("round_interval", f"must be >= 1 or null, got {self.round_interval}")
 
     def per_layer_lists(self) -> bool:
         return self.sparse_ratio is not None
@@ -390,7 +396,10 @@ class Lethe(EvictionPolicy):
         doubled when no layer found a breakpoint). Under a KV budget (max_kv_ratio < 1) it is
         capped where ``expected_kv`` says the request may grow to, so that the scheduler's count
         holds: flat attention (no breakpoint) would otherwise double it round after round. Never
-        below what the round left plus a recent window, so that rounds do not fire at once."""
+        below what the round left plus a recent window, so that rounds do not fire at once.
+        With ``round_interval``: the next round after that many decoded tokens."""
+        if self.round_interval is not None:
+            return retained + self.round_interval - 1
         found = [b for b in breakpoints if b is not None]
         threshold = max([threshold, *found]) if found else 2 * threshold
         if self.max_kv_ratio < 1:
@@ -398,4 +407,6 @@ class Lethe(EvictionPolicy):
         return max(threshold, retained + max(1, self.recent_window(retained)))
 
     def _budget_trigger(self, length: int) -> int:
-        return max(self.evict_threshold, math.ceil(self.round_cap(length) * (1 + self.recent_ratio)))
+        cap = self.round_cap(length)
+        growth = self.recent_window(cap) if self.round_interval is None else self.round_interval
+        return max(self.evict_threshold, cap + growth)

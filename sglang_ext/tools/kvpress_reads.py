@@ -83,17 +83,20 @@ def make_press(name: str, compression_interval: int):
 class KvpressReads(FullReads):
     """Each layer's KV heads read what ``press`` keeps, driven as the module says, at ``kv_ratio``
     of the tokens seen, the first ``prompt_len`` tokens the prompt, compressed again every
-    ``compression_interval`` decoded tokens."""
+    ``compression_interval`` decoded tokens. ``one_list_per_layer``: the press's scores averaged
+    over a layer's KV heads before the top-k, so that every head keeps the same entries (as the
+    policies on Lethe's runtime do): what per-head lists are worth, measured."""
 
     def __init__(
         self, model, press, kv_ratio: float, prompt_len: int, compression_interval: int,
-        seed: int = 0,
+        seed: int = 0, one_list_per_layer: bool = False,
     ):  # fmt: skip
         from kvpress import CompressionRatioDecodingPress
 
         if not 0 < kv_ratio <= 1:
             raise ValueError(f"kv_ratio must be in (0, 1], got {kv_ratio}")
         self.press, self.prompt_len, self.seed = press, prompt_len, seed
+        self.one_list_per_layer = one_list_per_layer
         self.decoding = CompressionRatioDecodingPress(  # its default hidden_states_buffer_size
             base_press=press, target_compression_ratio=1 - kv_ratio,
             compression_interval=compression_interval,
@@ -197,4 +200,6 @@ class KvpressReads(FullReads):
             torch.set_rng_state(self._rng)
             scores = self.press.score(module, hidden, keys, values, None, kwargs)
             self._rng = torch.get_rng_state()
+        if self.one_list_per_layer:  # ties break alike in every head: the rows are equal
+            scores = scores.mean(1, keepdim=True).expand_as(scores)
         return scores.topk(compute_n_kept(cache.shape[1], ratio), dim=-1).indices[0]
