@@ -88,9 +88,12 @@ def servers(model_path, strict_env, tmp_path_factory):
         vanilla.stop()
 
 
-def generate(server, text, max_new_tokens=32, **request):
-    """Greedy /generate of ``text`` (None: the request names its ``input_ids``)."""
+def generate(server, text, max_new_tokens=32, kv_policy=None, **request):
+    """Greedy /generate of ``text`` (None: the request names its ``input_ids``), under the
+    server's policy ``kv_policy`` where given."""
     sampling = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
+    if kv_policy is not None:
+        sampling["custom_params"] = {"kv_policy": {"name": kv_policy}}
     prompt = {} if text is None else {"text": text}
     response = requests.post(
         f"{server.url}/generate",
@@ -197,9 +200,8 @@ def test_small_budgets_attend_to_their_selection_and_answer(servers, name):
 def test_evicting_policies_free_slots_in_rounds_and_the_pool_stays_exact(servers, name, spec):
     needs(servers, name)
     server = servers[name]
-    chosen = {} if spec is None else {"custom_params": {"kv_policy": {"name": spec}}}
     for text in (PROMPTS[0], LONG_PROMPT):
-        out = generate(server, text, max_new_tokens=300, **chosen)
+        out = generate(server, text, max_new_tokens=300, kv_policy=spec)
         meta = out["meta_info"]
         assert meta["kv_policy"][-1] == (spec or CONFIGS[name][0])
         evicted, retained = meta["kv_evicted_tokens"], meta["kv_retained_tokens"]

@@ -105,7 +105,43 @@ class PerKVHeadSelectionReads(SelectionReads):
         return self.selected if self.roles[layer] is LayerRole.SPARSE else None
 
 
-class LetheReads(FullReads):
+class DecodedReads(FullReads):
+    """Reads that follow a decode of the passage from ``prompt_len`` on, one step at a time:
+    ``advance`` restarts at a new passage (or an earlier position) and runs the steps before the
+    measured one (``_start``, ``_run_to``); each step's kept share is ``_held`` over the
+    positions so far."""
+
+    def __init__(self, prompt_len: int):
+        self.prompt_len = prompt_len
+        self._kept: list[float] = []
+        self._passage: Passage | None = None
+        self._next = prompt_len
+
+    def advance(self, passage: Passage, position: int) -> None:
+        if position < self.prompt_len:
+            raise ValueError(f"position {position} lies in the prompt (< {self.prompt_len})")
+        if passage is not self._passage or position < self._next:
+            self._start(passage)
+        self._run_to(position)
+        self._kept.append(self._held(position) / (position + 1))
+
+    def take_kept(self) -> list[float]:
+        kept, self._kept = self._kept, []
+        return kept
+
+    def _start(self, passage: Passage) -> None:
+        raise NotImplementedError
+
+    def _run_to(self, position: int) -> None:
+        """The steps before ``position``'s read, and its own up to the read."""
+        raise NotImplementedError
+
+    def _held(self, position: int) -> float:
+        """The KV held at ``position``'s read (its own token included)."""
+        raise NotImplementedError
+
+
+class LetheReads(DecodedReads):
     """A Lethe step: each layer reads the tokens it retains, as the engine's own Lethe runtime
     (``sglang_ext.policies.lethe.runtime.LetheRuntime``, its CPU path) keeps them over a decode of the passage
     from ``prompt_len`` on: the prompt's last queries seed the scores, every step appends its token
@@ -117,27 +153,20 @@ class LetheReads(FullReads):
     ROW = 1  # the request's row in the runtime's one-request table (row 0 left unused)
 
     def __init__(self, policy, num_layers: int, prompt_len: int):
-        self.policy, self.num_layers, self.prompt_len = policy, num_layers, prompt_len
+        super().__init__(prompt_len)
+        self.policy, self.num_layers = policy, num_layers
         self.budget = policy.budget()
-        self._kept: list[float] = []
-        self._passage: Passage | None = None
 
-    def advance(self, passage: Passage, position: int) -> None:
-        if position < self.prompt_len:
-            raise ValueError(f"position {position} lies in the prompt (< {self.prompt_len})")
-        if passage is not self._passage or position < self._next:
-            self._start(passage)
+    def _run_to(self, position: int) -> None:
         while self._next <= position:
             self._begin_step(self._next)
             if self._next < position:  # the measured step's own update follows its measurement
                 self._update_scores(self._next)
             self._next += 1
         self._pending = position
-        self._kept.append((position + 1 - self._request.state.evicted) / (position + 1))
 
-    def take_kept(self) -> list[float]:
-        kept, self._kept = self._kept, []
-        return kept
+    def _held(self, position: int) -> float:
+        return position + 1 - self._request.state.evicted
 
     def tokens(self, layer: int, logits: torch.Tensor) -> torch.Tensor | None:
         runtime = self._runtime

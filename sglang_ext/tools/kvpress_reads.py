@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_ext.tools.agreement import FullReads, Passage
+from sglang_ext.tools.agreement import DecodedReads, Passage
 
 # the presses this module builds by name: name -> kvpress's class
 PRESSES = {
@@ -80,7 +80,7 @@ def make_press(name: str, compression_interval: int):
     return cls()
 
 
-class KvpressReads(FullReads):
+class KvpressReads(DecodedReads):
     """Each layer's KV heads read what ``press`` keeps, driven as the module says, at ``kv_ratio``
     of the tokens seen, the first ``prompt_len`` tokens the prompt, compressed again every
     ``compression_interval`` decoded tokens. ``one_list_per_layer``: the press's scores averaged
@@ -95,7 +95,8 @@ class KvpressReads(FullReads):
 
         if not 0 < kv_ratio <= 1:
             raise ValueError(f"kv_ratio must be in (0, 1], got {kv_ratio}")
-        self.press, self.prompt_len, self.seed = press, prompt_len, seed
+        super().__init__(prompt_len)
+        self.press, self.seed = press, seed
         self.one_list_per_layer = one_list_per_layer
         self.decoding = CompressionRatioDecodingPress(  # its default hidden_states_buffer_size
             base_press=press, target_compression_ratio=1 - kv_ratio,
@@ -109,23 +110,15 @@ class KvpressReads(FullReads):
             module.rotary_emb = language_model.rotary_emb
         self.rotary = language_model.rotary_emb
         press.post_init_from_model(model)
-        self._kept: list[float] = []
-        self._passage: Passage | None = None
 
-    def advance(self, passage: Passage, position: int) -> None:
-        if position < self.prompt_len:
-            raise ValueError(f"position {position} lies in the prompt (< {self.prompt_len})")
-        if passage is not self._passage or position < self._next:
-            self._start(passage)
+    def _run_to(self, position: int) -> None:
         while self._next < position:  # the measured step's own compression follows its read
             self._next += 1  # the step at _next - 1 appended its token
             self._after_step(self._next - 1)
-        held = [self.held(layer).shape[1] for layer in range(len(self.modules))]
-        self._kept.append((sum(held) / len(held) + 1) / (position + 1))  # and the token itself
 
-    def take_kept(self) -> list[float]:
-        kept, self._kept = self._kept, []
-        return kept
+    def _held(self, position: int) -> float:
+        held = [self.held(layer).shape[1] for layer in range(len(self.modules))]
+        return sum(held) / len(held) + 1  # and the token itself
 
     def tokens(self, layer: int, logits: torch.Tensor) -> torch.Tensor:
         q_heads, seq_len = logits.shape
