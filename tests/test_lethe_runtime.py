@@ -29,7 +29,14 @@ class Pool:
 
 
 def runtime_for(cache, **params):
-    policy = build_policy("lethe", {"max_kv_ratio": 0.5, "evict_threshold": 8, **params})
+    """Lethe's runtime under the rule these tests were written for: rounds on Algorithm 1's
+    threshold, a recent window of 0.3, and one retained set unless a ``sparse_ratio`` asks for
+    per-layer lists (test_layer_memory covers those)."""
+    rule = {
+        "max_kv_ratio": 0.5, "evict_threshold": 8, "round_interval": None, "recent_ratio": 0.3,
+        "decay": 0.95, "per_layer": "sparse_ratio" in params,
+    }  # fmt: skip
+    policy = build_policy("lethe", {**rule, **params})
     runtime = LetheRuntime(policy, cache.context())
     batch = cache.batch
     runtime.reset_rows(batch.req_pool_indices, batch.seq_lens - 1)  # prefilled, before the token

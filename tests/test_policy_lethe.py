@@ -20,10 +20,14 @@ def test_out_of_range_parameters_name_the_field(field, value):
     assert error.value.field == f"lethe.{field}"
 
 
-def test_defaults_read_the_requests_retained_set_in_every_layer():
+def test_defaults_keep_a_list_per_layer_and_round_on_a_cadence():
     policy = build_policy("lethe")
-    assert (policy.sparse_ratio, policy.recent_ratio) == (None, 0.3)
+    assert policy.per_layer_lists() and policy.sparse_ratio is None  # no breakpoints
+    assert (policy.recent_ratio, policy.decay, policy.round_interval) == (0.5, 1.0, 64)
     assert build_policy("lethe", {"sparse_ratio": 400}).sparse_ratio == 400  # the paper's rule
+    assert not build_policy("lethe", {"per_layer": False}).per_layer_lists()  # one retained set
+    with pytest.raises(PolicyConfigError, match="per_layer"):
+        build_policy("lethe", {"per_layer": False, "sparse_ratio": 400})
 
 
 def test_without_a_sparse_ratio_no_layer_finds_a_breakpoint_and_only_the_cap_evicts():
@@ -65,7 +69,7 @@ def test_flat_scores_have_no_breakpoint_and_keep_everything():
 
 
 def test_threshold_follows_algorithm_1_and_never_refires_at_once():
-    policy = Lethe(evict_threshold=100, recent_ratio=0.3, max_kv_ratio=1.0)
+    policy = Lethe(evict_threshold=100, recent_ratio=0.3, max_kv_ratio=1.0, round_interval=None)
     paper = Lethe(sparse_ratio=400.0)
     found = paper.shrink_layer(torch.arange(4), torch.tensor([1.0, 1e-5, 1e-5, 1e-5]))
     none = paper.shrink_layer(torch.arange(4), torch.ones(4))
@@ -76,7 +80,7 @@ def test_threshold_follows_algorithm_1_and_never_refires_at_once():
 
 
 def test_threshold_under_a_kv_budget_stops_doubling_where_expected_kv_is():
-    policy = Lethe(evict_threshold=1024, recent_ratio=0.3, max_kv_ratio=0.3)
+    policy = Lethe(evict_threshold=1024, recent_ratio=0.3, max_kv_ratio=0.3, round_interval=None)
     none = Lethe().shrink_layer(torch.arange(4), torch.ones(4))  # flat: no breakpoint
     # Algorithm 1 alone doubles 1024 to 2048, then 4096 to 8192
     assert policy.next_threshold(1024, [none.salient_plus_recent], retained=308, length=1025) == 1024
