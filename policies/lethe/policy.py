@@ -12,15 +12,15 @@ the layer's retained tokens.
 Defaults (``benchmarks.eviction_fidelity``, RESULTS.md#eviction-fidelity): each layer keeps its own
 list, cut to the cap by its own scores (``per_layer``), scores accumulate without decay, half of
 a round's cap is the recent window and a round runs every ``round_interval`` decoded tokens. Each
-alone moved the embedded model no closer to full attention at equal KV; together they took its KL
-from 0.24 to 0.19, the best kvpress press's level. ``sparse_ratio`` set adds the paper's
+alone moved the embedded model no closer to full attention at equal KV; together they brought it
+to the best kvpress press's level. ``sparse_ratio`` set adds the paper's
 breakpoints; ``per_layer`` False and ``round_interval`` None give the one retained set and the
 threshold cadence of Algorithm 1.
 
 Memory: a round caps the request's KV at ``max_kv_ratio`` of its tokens; 1.0 turns the cap off
 and leaves the paper's rule alone. Without per-layer lists the cap cuts the one retained set
-(``cap_union``). With them (the default), memory is per layer (``layer_memory``): each layer's list is cut to
-the cap (``cap_layers``), and a request holds ``ceil(sum of its layers' entries /
+(``cap_union``). With them (the default), memory is per layer (``layer_memory``): each layer's
+list is cut to the cap (``cap_layers``), and a request holds ``ceil(sum of its layers' entries /
 layers)`` slots, its kept entries packed into the rows of those slots, whatever the layers keep
 in common (``pack_layers``; False frees a slot only once no layer keeps its token, the union
 capped as without per-layer lists). Layers whose attention is flat find no breakpoint and keep
@@ -337,7 +337,7 @@ class Lethe(EvictionPolicy):
         column = torch.arange(n, device=device)
         count = torch.tensor(counts, device=device)
         valid = column < count[:, None]
-        if self.sparse_ratio is None:  # no breakpoints: every layer keeps its whole set (to the cap)
+        if self.sparse_ratio is None:  # no breakpoints: each layer keeps its whole set (to the cap)
             return valid, torch.zeros(layers, dtype=torch.bool, device=device), count
         recent = torch.tensor([self.recent_window(c) for c in counts], device=device)
         keep = valid & ((positions < self.sink_tokens) | (column >= (count - recent)[:, None]))
