@@ -109,6 +109,12 @@ class KVPolicy:
         """SGLang flags the launcher adds where the user gave none (None: a flag without value)."""
         return {}
 
+    def request_state_bytes(self, num_layers: int, num_q_heads: int, context_len: int) -> int:
+        """Device bytes its runtime owns per SGLang request slot at ``context_len`` positions (0:
+        none that grow with the slots). The engine takes them out of the KV pool's budget and
+        sizes the request pool so that they fit (``sglang_ext.engine.memory``)."""
+        return 0
+
     def cache_correction(self) -> CorrectionPlanner | None:
         """Plans, once per decode batch on the host, which requests get their sparsely decoded
         tokens' K/V re-filled with full attention (policies.tidal.cache_correction); None: never."""

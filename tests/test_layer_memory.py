@@ -206,3 +206,21 @@ def test_a_cap_below_the_sinks_and_recent_window_still_packs_every_row_right():
         keys, values = before[layer]
         assert torch.equal(runtime.pooled.keys[rows], keys[positions])
         assert torch.equal(runtime.pooled.values[rows], values[positions])
+
+
+@pytest.mark.parametrize("params", [{}, PER_LAYER], ids=["one-set", "per-layer"])
+def test_the_state_the_engine_pays_for_per_request_slot_is_what_the_runtime_allocates(params):
+    cache = Cache(num_layers=3, seq_lens=(40, 12), device=DEVICE)
+    runtime = runtime_for(cache, **params)
+    rows, width = runtime.positions.shape[1], runtime.positions.shape[2]
+    per_row = [runtime.positions, runtime.scores, runtime.layer_rows]
+    if runtime._slot_table is not None:
+        per_row.append(runtime._slot_table[:, :width])
+    if runtime._logits is not None:
+        per_row.append(runtime._logits)
+    allocated = sum(t.nbytes for t in per_row if t is not None)
+    # the decode scratch is per batch row (as many as the request slots in the engine)
+    heads = cache.Q_HEADS if runtime._logits is not None else 0
+    paid = runtime.request_slot_bytes(runtime.policy, cache.num_layers, heads, width)
+    assert allocated <= rows * paid
+    assert allocated >= 0.9 * (rows - 1) * paid  # the bound is not loose either

@@ -185,3 +185,23 @@ def test_a_step_attends_to_all_until_the_threshold_then_to_what_a_round_leaves()
     assert policy.attended_tokens(1000, num_layers=28) == 1000
     assert policy.attended_tokens(32768, num_layers=28) == math.ceil(0.3 * 32768)
     assert Lethe(max_kv_ratio=1.0).attended_tokens(32768, num_layers=28) == 32768
+
+
+def test_an_evicting_servers_request_slots_are_sized_by_memory_not_a_fixed_cap():
+    from sglang_ext.engine.memory import FLOOR_SLOTS, STATE_SHARE, state_slots
+
+    lethe = build_policy("lethe")
+    # llama-8B-like: 32 layers, 32 query heads, a 10k context, ~110 GiB of KV pool
+    per_slot = lethe.request_state_bytes(32, 32, 10240)
+    assert per_slot == 10240 * (32 * 12 + 32 * 4)
+    pool = 110 * 2**30
+    slots = state_slots(per_slot, pool, sglang_slots=4096, requested=None)
+    assert slots > 1000 and slots * per_slot <= STATE_SHARE * pool
+    # SGLang's own count bounds it; a small pool still gets the floor; the user's flag wins
+    assert state_slots(per_slot, pool, sglang_slots=200, requested=None) == 200
+    assert state_slots(per_slot, 2**30, sglang_slots=4096, requested=None) == FLOOR_SLOTS
+    assert state_slots(per_slot, pool, sglang_slots=4096, requested=8) == 8
+    # a mix pays for each evicting member's runtime; selection keeps no per-slot state
+    mix = build_policy("lethe,snapkv,delta")
+    assert mix.request_state_bytes(32, 32, 10240) == 2 * per_slot
+    assert build_policy("delta").request_state_bytes(32, 32, 10240) == 0

@@ -51,8 +51,6 @@ from sglang_ext.policies.lethe.runtime import LetheRuntime
 from sglang_ext.policies.registry import register_policy
 
 
-DEFAULT_MAX_RUNNING_REQUESTS = 64
-
 
 @dataclasses.dataclass(frozen=True)
 class LayerShrink:
@@ -93,14 +91,12 @@ class EvictionPolicy(KVPolicy):
     def runtime(self, ctx: DecodeContext, shared: DecodeInputs | None = None) -> LetheRuntime:
         return LetheRuntime(self, ctx, shared)
 
-    def server_defaults(self) -> dict[str, str]:
-        # The state is per request slot x context position; SGLang's default request pool
-        # (thousands of slots on a large KV pool) would make it gigabytes.
+    def server_defaults(self) -> dict[str, str | None]:
         # Prefill seeds the scores with a host-side loop over requests (lethe.runtime).
-        return {
-            "--max-running-requests": str(DEFAULT_MAX_RUNNING_REQUESTS),
-            "--disable-prefill-cuda-graph": None,
-        }
+        return {"--disable-prefill-cuda-graph": None}
+
+    def request_state_bytes(self, num_layers: int, num_q_heads: int, context_len: int) -> int:
+        return LetheRuntime.request_slot_bytes(self, num_layers, num_q_heads, context_len)
 
     # the rule: scores ----------------------------------------------------------------------------
     def seed_window(self) -> int:

@@ -152,11 +152,20 @@ class LetheRuntime(PolicyRuntime):
             )
         self._extending = _Extending([], [], [])
         super().__init__(policy, ctx, shared)
-        size_gb = (self.positions.nbytes + self.scores.nbytes) / 2**30
+        per_slot = self.request_slot_bytes(policy, ctx.num_layers, ctx.num_q_heads or 0, cap)
         logger.info(
-            "sglang_ext: lethe state for %d layers x %d request slots x %d positions: %.2f GiB",
-            ctx.num_layers, rows, cap, size_gb,
+            "sglang_ext: %s state for %d layers x %d request slots x %d positions: %.2f GiB",
+            policy.name, ctx.num_layers, rows, cap, (rows + 1) * per_slot / 2**30,
         )  # fmt: skip
+
+    @staticmethod
+    def request_slot_bytes(policy, num_layers: int, num_q_heads: int, width: int) -> int:
+        """What ``__init__`` allocates per request slot of ``width`` positions: positions and
+        scores per layer (and each entry's K/V row with per-layer memory, else the step's slot
+        table), and the decode kernel's attention logits per query head (CUDA)."""
+        per_entry = 4 + 4 + (4 if policy.pools_layer_rows() else 0)
+        own_table = 0 if policy.per_layer_lists() else 4
+        return width * (num_layers * per_entry + own_table + 4 * num_q_heads)
 
     def build_program(self) -> DecodeProgram:
         return DecodeProgram([self._decode] * self.ctx.num_layers, table_reads=self._table_reads)

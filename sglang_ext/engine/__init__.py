@@ -58,6 +58,7 @@ def _register(policy: KVPolicy) -> None:
     http.register(hooks, policy)
     steps.register(hooks)
     requests.register(hooks)
+    memory.register_request_pool(hooks, policy)
     if policy.evicts():
         memory.register(hooks)
     if policy.pools_layer_rows():

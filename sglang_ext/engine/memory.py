@@ -26,6 +26,12 @@
   round), so slots freed since the scheduler's last try open its queue again.
 - **Decode memory**: when the next decode step does not fit, the runtime frees what it can
   (``relieve_memory``: Lethe's rounds now) before SGLang retracts anything.
+- **Request pool by memory** (``KVPolicy.request_state_bytes``: Lethe's per-slot scores and
+  lists): SGLang sizes its request pool (``--max-running-requests``'s default) from the KV pool
+  alone, up to thousands of slots. A policy whose runtime owns state per slot gets at most as many
+  slots as fit in ``STATE_SHARE`` of the memory SGLang found for the KV pool (or exactly the
+  user's ``--max-running-requests``), and their bytes come out of the KV pool's budget, never out
+  of the headroom SGLang keeps for activations and CUDA graphs. Its admission is then by KV (above).
 - **One buffer for the pool's layers** (``KVPolicy.pools_layer_rows``: Lethe's per-layer memory):
   ``MHATokenToKVPool`` allocates each layer's K (and V) separately; it is made to allocate them
   as one [layers, slots, heads, dim] tensor whose per-layer views it keeps, so a row of any layer
@@ -134,6 +140,70 @@ def relieve_before_retracting(check, batch, *args, **kwargs):
     return freed > 0 and check(batch, *args, **kwargs)
 
 
+# The most of the KV pool's memory a policy's per-request state may take where the user did not
+# fix the request slots (on an 8B-class model at a 10k context, about a thousand slots), but
+# never fewer slots than FLOOR_SLOTS (a small pool's share would starve concurrency).
+STATE_SHARE = 1 / 16
+FLOOR_SLOTS = 64
+# SGLang's request rows hold a few positions past the context length (its extra_max_context_len)
+EXTRA_POSITIONS = 8
+
+
+def state_slots(per_slot: int, pool_bytes: int, sglang_slots: int, requested: int | None) -> int:
+    """The request slots a server whose policy keeps ``per_slot`` bytes per slot gets beside a KV
+    pool of ``pool_bytes``: the user's ``requested`` count, else SGLang's own count
+    (``sglang_slots``) as far as ``STATE_SHARE`` of the pool pays for, and ``FLOOR_SLOTS`` at least."""
+    if requested is not None:
+        return max(requested, 1)
+    return min(sglang_slots, max(FLOOR_SLOTS, int(STATE_SHARE * pool_bytes) // per_slot))
+
+
+def request_pool_by_memory(policy):
+    """An AROUND hook of SGLang's memory-pool resolution: ``policy``'s per-request state paid
+    from the KV budget, the request slots bounded by what it may take."""
+
+    def resolve(resolve_pool, configurator, *args, **kwargs):
+        from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
+
+        model = configurator.model_config
+        per_slot = policy.request_state_bytes(
+            configurator.layer_info.num_effective_layers,
+            model.get_num_attention_heads(configurator.ps.attn_tp_size),
+            model.context_len + EXTRA_POSITIONS,
+        )
+        own = resolve_pool(configurator, *args, **kwargs)  # SGLang's sizing, without the state
+        if per_slot == 0:
+            return own
+        sizing = create_memory_pool_configurator(configurator)
+        available = configurator._profile_available_bytes(*args, **kwargs)
+        uncapped = sizing.calculate_pool_sizes(available, configurator.page_size)
+        pool_bytes = available * own.max_total_num_tokens // max(uncapped.max_total_num_tokens, 1)
+        requested = configurator.server_args.max_running_requests
+        if requested is not None:
+            requested //= configurator.ps.attn_dp_size
+        slots = state_slots(per_slot, pool_bytes, own.max_running_requests, requested)
+        budget = available - (slots + 1) * per_slot
+        if budget <= 0:
+            raise targets.EngineAdapterError(
+                f"{policy.name}'s state ({per_slot / 2**20:.1f} MiB per request slot at context "
+                f"{model.context_len}) leaves no KV pool for {slots} request slots in "
+                f"{available / 2**30:.1f} GiB: lower --max-running-requests or --context-length"
+            )
+        config = configurator.config_from_budget(budget)
+        config.max_running_requests = min(
+            configurator.resolve_max_num_reqs(config.max_total_num_tokens), slots
+        )
+        config = sizing.finalize_with_max_running_requests(config)
+        config.mem_fraction_static = own.mem_fraction_static
+        logger.info(
+            "sglang_ext: %s state: %d request slots x %.1f MiB, out of a KV budget of %.1f GiB",
+            policy.name, config.max_running_requests, per_slot / 2**20, available / 2**30,
+        )  # fmt: skip
+        return config
+
+    return resolve
+
+
 def layers_in_one_buffer(create_buffers, pool, *args, **kwargs):
     import torch
     from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
@@ -161,6 +231,12 @@ def register(hooks) -> None:
     hooks.register(targets.PREFILL_ADDER, budget_prefill_adder(), HookType.REPLACE)
     hooks.register(targets.CHECK_DECODE_MEM, relieve_before_retracting, HookType.AROUND)
     hooks.register(targets.SCHEDULE_PREFILL, reopen_admission, HookType.BEFORE)
+
+
+def register_request_pool(hooks, policy) -> None:
+    from sglang.srt.plugins.hook_registry import HookType
+
+    hooks.register(targets.RESOLVE_POOL, request_pool_by_memory(policy), HookType.AROUND)
 
 
 def register_layer_pool(hooks) -> None:

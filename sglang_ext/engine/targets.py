@@ -28,6 +28,9 @@ UNCACHED_SIZES = (
     "SchedulerInvariantChecker._get_total_uncached_sizes"
 )
 PREFILL_ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
+RESOLVE_POOL = (
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._resolve_memory_pool_config"
+)
 KV_POOL_BUFFERS = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal"
 CHECK_DECODE_MEM = "sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem"
 SCHEDULE_PREFILL = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
@@ -45,7 +48,7 @@ COMPLETION_STREAM = f"{_OPENAI}.serving_completions.OpenAIServingCompletion._gen
 
 ALL = (
     INIT_NEW, FORWARD, CAN_RUN_GRAPH, FREE, CACHE_UNFINISHED, UNCACHED_SIZES, PREFILL_ADDER, CHECK_DECODE_MEM,
-    SCHEDULE_PREFILL, KV_POOL_BUFFERS, QUEUE_REQUEST,
+    SCHEDULE_PREFILL, RESOLVE_POOL, KV_POOL_BUFFERS, QUEUE_REQUEST,
     VALIDATE, NORMALIZE, DETOKENIZE, GENERATE, CHAT, CHAT_STREAM, COMPLETION, COMPLETION_STREAM,
 )  # fmt: skip
 
