@@ -22,6 +22,7 @@ from benchmarks.engine_process import EngineServer, engine_env, free_port, log_t
 from sglang_ext.engine.backends import default_cuda_backend
 from sglang_ext.launch import CPU_DEFAULT_MAX_TOTAL_TOKENS
 from sglang_ext.platform import cpu
+from sglang_ext.rows import Row  # noqa: F401  (re-exported: benchmarks write harness.Row)
 
 BENCH_DIR = Path(__file__).resolve().parent
 CONFIGS_DIR = BENCH_DIR / "configs"
@@ -32,27 +33,6 @@ VANILLA = "vanilla"
 REAL_MODEL = "smollm2-135m-instruct"  # the embedded model, as rows of its real weights name it
 PLUGIN_GROUP = "sglang.srt.plugins"
 PLUGIN_TARGET = "sglang_ext.plugin:register"
-
-
-@dataclasses.dataclass
-class Row:
-    bench: str
-    policy: str
-    model_shape: str
-    batch: int
-    context: int
-    metric: str
-    value: float | None
-    baseline_value: float | None = None
-    ratio: float | None = None
-    device: str = ""
-    sglang_version: str = ""
-    date: str = ""
-    skipped: str | None = None  # why there is no value
-    attention_backend: str = ""  # SGLang's --attention-backend of this row's engine
-    baseline_backend: str = ""  # the vanilla backend of baseline_value: the fastest measured
-    kv_source: str = ""  # real (prefill computed it) or synthetic (filled without prefill)
-    budget: str = ""  # the policy's KV budget (KVPolicy.budget), where it has one
 
 
 @dataclasses.dataclass

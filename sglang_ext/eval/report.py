@@ -14,32 +14,10 @@ from statistics import fmean
 from sglang_ext.eval import scoring
 from sglang_ext.eval.client import ServerFacts
 from sglang_ext.eval.store import REFERENCE, Result, Store
+from sglang_ext.rows import Row
 
 ROWS_FILE, TABLE_FILE, PLOT_FILE = "rows.json", "table.md", "accuracy.png"
 ALL_TASKS = "all"  # the mean over tasks, in rows (accuracy:all) and the plot
-
-
-@dataclasses.dataclass
-class Row:
-    """A benchmark row, field for field benchmarks.harness.Row (tests/row_schema.py checks)."""
-
-    bench: str
-    policy: str
-    model_shape: str
-    batch: int
-    context: int
-    metric: str
-    value: float | None
-    baseline_value: float | None = None
-    ratio: float | None = None
-    device: str = ""
-    sglang_version: str = ""
-    date: str = ""
-    skipped: str | None = None
-    attention_backend: str = ""
-    baseline_backend: str = ""
-    kv_source: str = ""
-    budget: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
