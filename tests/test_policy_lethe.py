@@ -20,12 +20,13 @@ def test_out_of_range_parameters_name_the_field(field, value):
     assert error.value.field == f"lethe.{field}"
 
 
-def test_defaults_keep_a_list_per_layer_and_round_on_a_cadence():
+def test_defaults_keep_one_set_on_the_threshold_and_per_layer_lists_are_asked_for():
     policy = build_policy("lethe")
-    assert policy.per_layer_lists() and policy.sparse_ratio is None  # no breakpoints
-    assert (policy.recent_ratio, policy.decay, policy.round_interval) == (0.5, 1.0, 64)
-    assert build_policy("lethe", {"sparse_ratio": 400}).sparse_ratio == 400  # the paper's rule
-    assert not build_policy("lethe", {"per_layer": False}).per_layer_lists()  # one retained set
+    assert not policy.per_layer_lists() and policy.sparse_ratio is None  # one set, no breakpoints
+    assert (policy.recent_ratio, policy.decay, policy.round_interval) == (0.3, 1.0, None)
+    assert build_policy("lethe", {"per_layer": True}).per_layer_lists()
+    # the paper's breakpoints are per layer: asking for them brings per-layer lists
+    assert build_policy("lethe", {"sparse_ratio": 400}).per_layer_lists()
     with pytest.raises(PolicyConfigError, match="per_layer"):
         build_policy("lethe", {"per_layer": False, "sparse_ratio": 400})
 
@@ -190,18 +191,22 @@ def test_a_step_attends_to_all_until_the_threshold_then_to_what_a_round_leaves()
 def test_an_evicting_servers_request_slots_are_sized_by_memory_not_a_fixed_cap():
     from sglang_ext.engine.memory import FLOOR_SLOTS, STATE_SHARE, state_slots
 
-    lethe = build_policy("lethe")
-    # llama-8B-like: 32 layers, 32 query heads, a 10k context, ~110 GiB of KV pool
-    per_slot = lethe.request_state_bytes(32, 32, 10240)
+    # llama-8B-like: 32 layers, 32 query heads, a 10k context, ~110 GiB of KV pool; per-layer
+    # lists keep each entry's K/V row beside its position and score, one set a slot table
+    per_slot = build_policy("lethe", {"per_layer": True}).request_state_bytes(32, 32, 10240)
     assert per_slot == 10240 * (32 * 12 + 32 * 4)
+    one_set = build_policy("lethe").request_state_bytes(32, 32, 10240)
+    assert one_set == 10240 * (32 * 8 + 4 + 32 * 4)
     pool = 110 * 2**30
-    slots = state_slots(per_slot, pool, sglang_slots=4096, requested=None)
+    slots = state_slots(per_slot, pool, pool, sglang_slots=4096, requested=None)
     assert slots > 1000 and slots * per_slot <= STATE_SHARE * pool
-    # SGLang's own count bounds it; a small pool still gets the floor; the user's flag wins
-    assert state_slots(per_slot, pool, sglang_slots=200, requested=None) == 200
-    assert state_slots(per_slot, 2**30, sglang_slots=4096, requested=None) == FLOOR_SLOTS
-    assert state_slots(per_slot, pool, sglang_slots=4096, requested=8) == 8
+    # SGLang's own count bounds it; a small pool still gets the floor, unless the floor's state
+    # would take most of the memory; the user's flag wins
+    assert state_slots(per_slot, pool, pool, sglang_slots=200, requested=None) == 200
+    assert state_slots(per_slot, 2**30, 2**30, sglang_slots=4096, requested=None) == FLOOR_SLOTS
+    assert state_slots(per_slot, 2**27, 2**27, sglang_slots=4096, requested=None) == 11
+    assert state_slots(per_slot, pool, pool, sglang_slots=4096, requested=8) == 8
     # a mix pays for each evicting member's runtime; selection keeps no per-slot state
     mix = build_policy("lethe,snapkv,delta")
-    assert mix.request_state_bytes(32, 32, 10240) == 2 * per_slot
+    assert mix.request_state_bytes(32, 32, 10240) == one_set + per_slot
     assert build_policy("delta").request_state_bytes(32, 32, 10240) == 0

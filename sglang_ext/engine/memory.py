@@ -142,20 +142,26 @@ def relieve_before_retracting(check, batch, *args, **kwargs):
 
 # The most of the KV pool's memory a policy's per-request state may take where the user did not
 # fix the request slots (on an 8B-class model at a 10k context, about a thousand slots), but
-# never fewer slots than FLOOR_SLOTS (a small pool's share would starve concurrency).
+# never fewer slots than FLOOR_SLOTS (a small pool's share would starve concurrency) unless the
+# state would then take more than MOST_OF_MEMORY of what the KV pool may use.
 STATE_SHARE = 1 / 16
 FLOOR_SLOTS = 64
+MOST_OF_MEMORY = 1 / 2
 # SGLang's request rows hold a few positions past the context length (its extra_max_context_len)
 EXTRA_POSITIONS = 8
 
 
-def state_slots(per_slot: int, pool_bytes: int, sglang_slots: int, requested: int | None) -> int:
+def state_slots(
+    per_slot: int, pool_bytes: int, available: int, sglang_slots: int, requested: int | None
+) -> int:
     """The request slots a server whose policy keeps ``per_slot`` bytes per slot gets beside a KV
-    pool of ``pool_bytes``: the user's ``requested`` count, else SGLang's own count
-    (``sglang_slots``) as far as ``STATE_SHARE`` of the pool pays for, and ``FLOOR_SLOTS`` at least."""
+    pool of ``pool_bytes`` (of ``available`` bytes the pool may use): the user's ``requested``
+    count, else SGLang's own count (``sglang_slots``) as far as ``STATE_SHARE`` of the pool pays
+    for, ``FLOOR_SLOTS`` at least where ``MOST_OF_MEMORY`` of ``available`` holds them."""
     if requested is not None:
         return max(requested, 1)
-    return min(sglang_slots, max(FLOOR_SLOTS, int(STATE_SHARE * pool_bytes) // per_slot))
+    floor = min(FLOOR_SLOTS, int(MOST_OF_MEMORY * available) // per_slot - 1)
+    return max(1, min(sglang_slots, max(floor, int(STATE_SHARE * pool_bytes) // per_slot)))
 
 
 def request_pool_by_memory(policy):
@@ -181,7 +187,7 @@ def request_pool_by_memory(policy):
         requested = configurator.server_args.max_running_requests
         if requested is not None:
             requested //= configurator.ps.attn_dp_size
-        slots = state_slots(per_slot, pool_bytes, own.max_running_requests, requested)
+        slots = state_slots(per_slot, pool_bytes, available, own.max_running_requests, requested)
         budget = available - (slots + 1) * per_slot
         if budget <= 0:
             raise targets.EngineAdapterError(
