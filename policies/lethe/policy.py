@@ -17,7 +17,7 @@ answers decide the default. ``sparse_ratio`` set adds the paper's breakpoints, p
 
 Memory: a round caps the request's KV at ``max_kv_ratio`` of its tokens; 1.0 turns the cap off
 and leaves the paper's rule alone. Without per-layer lists the cap cuts the one retained set
-(``cap_union``). With them (the default), memory is per layer (``layer_memory``): each layer's
+(``cap_union``). With them, memory is per layer (``layer_memory``): each layer's
 list is cut to the cap (``cap_layers``), and a request holds ``ceil(sum of its layers' entries /
 layers)`` slots, its kept entries packed into the rows of those slots, whatever the layers keep
 in common (``pack_layers``; False frees a slot only once no layer keeps its token, the union
@@ -47,7 +47,6 @@ from sglang_ext.kernels import rasr
 from sglang_ext.policies.base import DecodeContext, DecodeInputs, KVPolicy, PolicyConfigError
 from sglang_ext.policies.lethe.runtime import LetheRuntime
 from sglang_ext.policies.registry import register_policy
-
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@ keeps ``1 - compression_ratio`` of the tokens a request has seen, the first at t
 decode step (its prompt, from the prefill's seeded scores: kvpress's prefill compression), then
 every ``compression_interval`` decoded tokens. Selection is per layer (each layer keeps its own
 top entries by its own scores, ``EvictionPolicy.cap_layers``), its entries packed into shared
-slots (``layer_memory``), as Lethe does by default. Unlike kvpress, scores are summed
+slots (``layer_memory``), as Lethe does with ``per_layer`` true. Unlike kvpress, scores are summed
 over a layer's query heads (kvpress keeps top-k per KV head as well as per layer), and there are
 no sink tokens (kvpress's defaults).
 
