@@ -141,7 +141,7 @@ def relieve_before_retracting(check, batch, *args, **kwargs):
 
 
 # The most of the KV pool's memory a policy's per-request state may take where the user did not
-# fix the request slots (on an 8B-class model at a 10k context, about a thousand slots), but
+# fix the request slots (a large pool then still holds far more slots than it can run), but
 # never fewer slots than FLOOR_SLOTS (a small pool's share would starve concurrency) unless the
 # state would then take more than MOST_OF_MEMORY of what the KV pool may use.
 STATE_SHARE = 1 / 16
