@@ -17,7 +17,7 @@ from row_schema import assert_rows_schema
 
 from sglang_ext.eval import report, runner, scoring, store, tasks
 from sglang_ext.eval.cli import length_list, main
-from sglang_ext.eval.client import Generation, Server, ServerEncoder, ServerError
+from sglang_ext.eval.client import Generation, Server, ServerEncoder, ServerError, ServerFacts
 from sglang_ext.eval.store import REFERENCE, Result, Settings, SettingsMismatch, Store
 
 
@@ -88,6 +88,16 @@ def test_the_frequent_words_answer_is_the_three_most_frequent_in_the_prompt(enco
     case = tasks.build_case(encoder, "frequent_words", 2048, 0, 0)
     counts = collections.Counter(re.findall(r"\b[a-z]{5}\b", tokenizer.decode(case.input_ids)))
     assert {word for word, _ in counts.most_common(3)} == set(case.answers)
+
+
+@pytest.mark.parametrize("task", ["single_needle", "multi_key", "multi_value"])
+def test_a_case_says_where_its_answers_needles_are(encoder, tokenizer, task):
+    case = tasks.build_case(encoder, task, 2048, index=1, seed=0)
+    assert len(case.answer_depths) == (4 if task == "multi_value" else 1)
+    for depth in case.answer_depths:
+        at = round(depth * case.length)
+        needle = tokenizer.decode(case.input_ids[at : at + 40])
+        assert any(answer in needle for answer in case.answers), (depth, needle)
 
 
 def test_a_length_too_short_for_the_task_is_refused(encoder):
@@ -169,6 +179,26 @@ def test_a_folder_of_other_settings_is_refused(tmp_path):
 def test_a_result_is_a_score_or_an_error():
     with pytest.raises(ValueError, match="not both"):
         Result("qa/1024/0", "qa", 1024, "lethe", ("x",), 0.1, correct=True, error="HTTP 500")
+
+
+def test_the_table_says_where_a_policy_missed_what_the_reference_answered():
+    facts = ServerFacts("m", 4096, 4090, 8192, "torch_native", "cpu", "0.5.17")
+    info = report.RunInfo("u", facts, facts, "full", ("lethe", "tidal"), ("single_needle",),
+                          (1024,), 2, 1, 0, "d", {})  # fmt: skip
+    outcomes = report.Outcomes({
+        (r.case, r.arm): r for r in [
+            _result("single_needle/1024/0", REFERENCE, answer_depths=(0.25,)),
+            _result("single_needle/1024/1", REFERENCE, answer_depths=(0.75,)),
+            _result("single_needle/1024/0", "lethe", correct=False, answer_depths=(0.25,)),
+            _result("single_needle/1024/1", "lethe", answer_depths=(0.75,)),
+            _result("single_needle/1024/0", "tidal"),
+            _result("single_needle/1024/1", "tidal"),
+        ]
+    }, {})  # fmt: skip
+    table = report.markdown(outcomes, info)
+    assert ("- `lethe`, single_needle at 1k: 0.50 against full's 1.00; missed 1 that full "
+            "answered, answers at 25% of the prompt") in table  # fmt: skip
+    assert "`tidal`" not in table  # it answered all that full did
 
 
 class WordEncoder:

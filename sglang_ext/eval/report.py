@@ -205,7 +205,39 @@ def markdown(outcomes: Outcomes, info: RunInfo) -> str:
                     ])  # fmt: skip
                 cells.append(text + (f" · {c.failed} failed" if c.failed else ""))
             lines.append(f"| {task} | {length_label(length)} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, *shortfalls(outcomes, info)]) + "\n"
+
+
+# where the reference answers at least this share, a policy is to answer this share of what it does
+ANSWERED_BY_REFERENCE, SHARE_OF_REFERENCE = 0.5, 0.95
+
+
+def shortfalls(outcomes: Outcomes, info: RunInfo) -> list[str]:
+    """Markdown lines: each policy, task and length where the reference answers at least
+    ``ANSWERED_BY_REFERENCE`` of the cases and the policy less than ``SHARE_OF_REFERENCE`` of
+    what it answers, with where the missed cases' answers sit in the prompt."""
+    label, found = info.reference_label, []
+    reference = outcomes.finished
+    for policy, length, task in itertools.product(info.policies, info.lengths, info.tasks):
+        c = cell(outcomes, policy, task, length)
+        if not c.cases or c.reference_accuracy < ANSWERED_BY_REFERENCE:
+            continue
+        if c.accuracy >= SHARE_OF_REFERENCE * c.reference_accuracy:
+            continue
+        missed = [r for r in outcomes.where(policy, task, length)
+                  if not r.correct and reference.get((r.case, REFERENCE), r).correct]  # fmt: skip
+        depths = ", ".join(
+            "/".join(f"{d:.0%}" for d in r.answer_depths) or "n/a" for r in missed
+        )
+        found.append(
+            f"- `{policy}`, {task} at {length_label(length)}: {_fmt(c.accuracy)} against "
+            f"{label}'s {_fmt(c.reference_accuracy)}; missed {len(missed)} that {label} answered, "
+            f"answers at {depths} of the prompt"
+        )
+    if not found:
+        return []
+    return ["", f"Below {SHARE_OF_REFERENCE:.0%} of {label}'s accuracy where {label} answers at "
+            f"least {ANSWERED_BY_REFERENCE:.0%} of the cases:", "", *found]  # fmt: skip
 
 
 def plot(outcomes: Outcomes, info: RunInfo, path: Path) -> bool:

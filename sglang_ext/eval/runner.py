@@ -107,11 +107,13 @@ def run(
                     round(time.monotonic() - started, 3), tuple(out.output_ids), out.text,
                     scoring.is_correct(built.answers, out.text), out.kv_policy,
                     out.retained_tokens, out.evicted_tokens, out.attended_tokens,
+                    answer_depths=built.answer_depths,
                 )  # fmt: skip
             except Exception as err:  # noqa: BLE001  (recorded, reported; the run goes on)
                 result = Result(case.key, case.task, case.length, arm.name, built.answers,
                                 round(time.monotonic() - started, 3),
-                                error=f"{type(err).__name__}: {err}")  # fmt: skip
+                                error=f"{type(err).__name__}: {err}",
+                                answer_depths=built.answer_depths)  # fmt: skip
             store.add(result)
             progress.add(result)
 

@@ -32,6 +32,7 @@ class Result:
     evicted_tokens: int | None = None
     attended_tokens: float | None = None
     error: str | None = None  # why there is no output
+    answer_depths: tuple[float, ...] = ()  # tasks.Case's: where the answers' needles are
 
     def __post_init__(self):
         if not self.arm or not self.case or self.length < 1:
@@ -46,8 +47,8 @@ class Result:
     @classmethod
     def from_json(cls, line: str) -> Result:
         fields = json.loads(line)
-        for name in ("answers", "output_ids"):
-            fields[name] = tuple(fields[name])
+        for name in ("answers", "output_ids", "answer_depths"):
+            fields[name] = tuple(fields.get(name, ()))
         return cls(**fields)
 
 

@@ -87,6 +87,8 @@ class Case:
     seed: int
     input_ids: tuple[int, ...]
     answers: tuple[str, ...]
+    # where the needles that hold an answer start, as a share of the prompt (0: its first token)
+    answer_depths: tuple[float, ...] = ()
 
     def __post_init__(self):
         if len(self.input_ids) != self.length:
@@ -359,15 +361,22 @@ def build_case(encoder: Encoder, task: str, length: int, index: int, seed: int) 
     placed = sorted(zip(spec.depths, range(len(needles))))
     slots = collections.defaultdict(list)
     for depth, n in placed:
-        slots[round(depth * len(units))].append(needles[n])
+        slots[round(depth * len(units))].append(n)
     haystack: list[int] = []
+    starts: dict[int, int] = {}  # needle -> its first token in the haystack
     for at in range(len(units) + 1):
-        for needle in slots.get(at, ()):
-            haystack += needle
+        for n in slots.get(at, ()):
+            starts[n] = len(haystack)
+            haystack += needles[n]
         if at < len(units):
             haystack += units[at][1]
     ids = before + head + haystack + question + after + prefix
-    return Case(task, length, index, seed, tuple(ids), tuple(answers))
+    offset = len(before) + len(head)
+    depths = sorted(
+        round((offset + start) / length, 3) for n, start in starts.items()
+        if any(answer in spec.needles[n] for answer in answers)
+    )  # fmt: skip
+    return Case(task, length, index, seed, tuple(ids), tuple(answers), tuple(depths))
 
 
 def _haystack(
