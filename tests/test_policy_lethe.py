@@ -181,6 +181,29 @@ def test_each_layer_is_capped_alone_by_its_own_scores_with_sink_and_recent_kept(
     assert torch.equal(capped[2], keep[2])
 
 
+def test_a_shared_core_keeps_what_one_layer_ranks_first_in_every_layer():
+    """Per-layer lists with ``shared_ratio``: a token that only layer 0 attends to (a needle a
+    retrieval layer reads) stays in layer 1 too, taking room from layer 1's own choice; without
+    the core layer 1 drops it."""
+    length, layers = 40, 2
+    positions = torch.arange(length).repeat(1, layers, 1)
+    scores = torch.full((1, layers, length), 1e-3)
+    scores[0, 0, 17] = 1.0  # layer 0's needle
+    scores[0, 1, 5:30] = 0.5  # layer 1 spreads its attention over many tokens
+    keep = torch.ones(1, layers, length, dtype=torch.bool)
+    flat = [t.flatten(0, 1) for t in (positions, scores, keep)]
+    alone = Lethe(per_layer=True, max_kv_ratio=0.3, sink_tokens=2)
+    assert alone.shared_entries(positions, scores, keep, [length]) is None
+    assert not alone.cap_layers(*flat, [length] * layers)[1, 17]
+    with_core = Lethe(per_layer=True, max_kv_ratio=0.3, sink_tokens=2, shared_ratio=0.5)
+    shared = with_core.shared_entries(positions, scores, keep, [length])
+    assert shared[0, 0, 17] and shared[0, 1, 17]
+    capped = with_core.cap_layers(*flat, [length] * layers, shared.flatten(0, 1))
+    assert capped[1, 17] and int(capped[1].sum()) == with_core.round_cap(length)
+    with pytest.raises(PolicyConfigError, match="shared_ratio"):
+        Lethe(shared_ratio=0.5)  # one retained set: every layer keeps the core already
+
+
 def test_a_step_attends_to_all_until_the_threshold_then_to_what_a_round_leaves():
     policy = Lethe(evict_threshold=1024, max_kv_ratio=0.3)
     assert policy.attended_tokens(1000, num_layers=28) == 1000

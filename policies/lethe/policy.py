@@ -85,6 +85,14 @@ class EvictionPolicy(KVPolicy):
     def pools_layer_rows(self) -> bool:
         return self.per_layer_lists()
 
+    def one_set(self) -> EvictionPolicy:
+        """This rule keeping one retained set for every layer, for a selection composed over it
+        (``policies.eviction_selection``); PolicyConfigError where its lists are per layer."""
+        if self.per_layer_lists():
+            self._error("per_layer", "a selection composed over it reads one retained set: its "
+                        "lists are per layer")  # fmt: skip
+        return self
+
     def runtime(self, ctx: DecodeContext, shared: DecodeInputs | None = None) -> LetheRuntime:
         return LetheRuntime(self, ctx, shared)
 
@@ -166,12 +174,7 @@ class EvictionPolicy(KVPolicy):
         [requests, max(lengths)], False past a request's length."""
         device = scores.device
         width = max(lengths)
-        total = torch.where(keep, scores, 0.0).sum(2, keepdim=True)
-        share = scores / total.clamp_min(torch.finfo(torch.float32).tiny)
-        best = torch.full((*keep.shape[:2], width + 1), float("-inf"), device=device)
-        at = torch.where(keep, positions.long(), width)  # what a layer dropped: a spare column
-        best.scatter_reduce_(2, at, torch.where(keep, share, float("-inf")), "amax")
-        best = best[:, :, :width].amax(1)
+        best = _best_share(positions, scores, keep, width)
         union = torch.isfinite(best)
         cap, recent = self._caps(lengths, device)
         length = torch.tensor(lengths, device=device)[:, None]
@@ -184,17 +187,28 @@ class EvictionPolicy(KVPolicy):
         capped |= torch.zeros_like(capped).scatter_(1, order, chosen)
         return torch.where(union.sum(1, keepdim=True) <= cap, union, capped)
 
-    def cap_layers(
+    def shared_entries(
         self, positions: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor, lengths: list[int]
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
+        """Per-layer lists: the entries ([requests, layers, n] bool, as ``positions``) that every
+        layer keeping them keeps ahead of its own choice, the request's shared core; None: none
+        (each layer cuts by its own scores alone)."""
+        return None
+
+    def cap_layers(
+        self, positions: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor, lengths: list[int],
+        shared: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """What ``shrink_layers`` kept ([rows, n] each, a row a layer of a request, its entries by
         ascending position), each row cut to ``round_cap(lengths[row])`` entries where it kept
-        more: its sink tokens and its most recent entries first, then by its own score. On the
-        device, without a host sync."""
+        more: its sink tokens, its most recent entries and its ``shared`` ones first, then by its
+        own score. On the device, without a host sync."""
         cap, recent = self._caps(lengths, scores.device)
         kept = keep.sum(1, keepdim=True)
         from_end = kept - torch.cumsum(keep.long(), 1)  # 0 at a layer's last kept entry
         forced = keep & ((positions < self.sink_tokens) | (from_end < recent))
+        if shared is not None:
+            forced |= keep & shared
         room = cap - forced.sum(1, keepdim=True)
         candidates = torch.where(keep & ~forced, scores, float("-inf"))
         order = torch.argsort(candidates, dim=1, descending=True, stable=True)
@@ -223,7 +237,7 @@ class Lethe(EvictionPolicy):
     # the decode reads one list for all layers, gathered once per step).
     request_params = (
         "evict_threshold", "recent_ratio", "sink_tokens", "segments", "max_kv_ratio",
-        "round_interval",
+        "round_interval", "shared_ratio",
     )  # fmt: skip
 
     evict_threshold: int = 1024  # initial L_evict: retained tokens that trigger the first round
@@ -243,6 +257,10 @@ class Lethe(EvictionPolicy):
     # with per-layer lists: memory is the sum of the layers' lists, packed into shared slots
     # (sglang_ext.policies.lethe.layer_memory); False: a slot is freed once no layer keeps its token (the union)
     pack_layers: bool = True
+    # with per-layer lists: the fraction of each layer's cap, beside its sinks and recent window,
+    # that keeps the request's shared core (the tokens the one retained set would rank first,
+    # by the best share any layer gives them) ahead of the layer's own choice; 0: none
+    shared_ratio: float = 0.0
     observation_window: int = 32  # the last prompt tokens whose attention seeds the scores
     observation_pool: int = 9  # odd: a seeded score is the best of the token and its neighbours
 
@@ -274,9 +292,18 @@ class Lethe(EvictionPolicy):
             self._error("max_kv_ratio", f"must be in (0, 1], got {self.max_kv_ratio}")
         if self.round_interval is not None and self.round_interval < 1:
             self._error("round_interval", f"must be >= 1 or null, got {self.round_interval}")
+        if not 0 <= self.shared_ratio <= 1:
+            self._error("shared_ratio", f"must be in [0, 1], got {self.shared_ratio}")
+        if self.shared_ratio > 0 and not self.per_layer_lists():
+            self._error("shared_ratio", "a shared core needs per-layer lists (per_layer true)")
 
     def per_layer_lists(self) -> bool:
         return self.per_layer if self.per_layer is not None else self.sparse_ratio is not None
+
+    def one_set(self) -> Lethe:
+        if self.per_layer is None and self.sparse_ratio is None:  # left to Lethe: one set
+            return dataclasses.replace(self, per_layer=False, shared_ratio=0.0)
+        return super().one_set()
 
     def seed_window(self) -> int:
         return self.observation_window
@@ -286,6 +313,24 @@ class Lethe(EvictionPolicy):
 
     def first_threshold(self) -> int:
         return self.evict_threshold
+
+    def shared_entries(self, positions, scores, keep, lengths):
+        if self.shared_ratio == 0:
+            return None
+        device, width = scores.device, max(lengths)
+        best = _best_share(positions, scores, keep, width)
+        cap, recent = self._caps(lengths, device)
+        room = ((cap - recent - self.sink_tokens).clamp_min(0) * self.shared_ratio).long()
+        length = torch.tensor(lengths, device=device)[:, None]
+        column = torch.arange(width, device=device)
+        forced = (column < self.sink_tokens) | (column >= length - recent)  # kept anyway
+        ranked, order = torch.sort(
+            torch.where(forced, float("-inf"), best), dim=1, descending=True, stable=True
+        )
+        chosen = (column < room) & torch.isfinite(ranked)
+        core = torch.zeros_like(chosen).scatter_(1, order, chosen)
+        at = positions.long().clamp(max=width - 1).flatten(1)
+        return keep & core.gather(1, at).view_as(keep)
 
     def budget(self) -> str:
         caps = f"max_kv_ratio {self.max_kv_ratio}, evict_threshold {self.evict_threshold}"
@@ -413,3 +458,16 @@ class Lethe(EvictionPolicy):
         cap = self.round_cap(length)
         growth = self.recent_window(cap) if self.round_interval is None else self.round_interval
         return max(self.evict_threshold, cap + growth)
+
+
+def _best_share(positions, scores, keep, width: int) -> torch.Tensor:
+    """Per request and position ([requests, width]), the largest share of its layer's kept
+    scores any layer gives the position (each layer's scores normalised to sum 1, so that layers
+    weigh alike); -inf where no layer keeps it. ``positions``, ``scores``, ``keep``:
+    [requests, layers, n]."""
+    total = torch.where(keep, scores, 0.0).sum(2, keepdim=True)
+    share = scores / total.clamp_min(torch.finfo(torch.float32).tiny)
+    best = torch.full((*keep.shape[:2], width + 1), float("-inf"), device=scores.device)
+    at = torch.where(keep, positions.long(), width)  # what a layer dropped: a spare column
+    best.scatter_reduce_(2, at, torch.where(keep, share, float("-inf")), "amax")
+    return best[:, :, :width].amax(1)
