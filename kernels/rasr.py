@@ -123,6 +123,21 @@ def gather_retained_slots(
     )  # fmt: skip
 
 
+def gather_retained_slots_ref(
+    req_to_token, req_pool_indices, positions, count, state_rows, slot_table, entry_count
+) -> None:
+    """``gather_retained_slots`` in torch (its oracle, and the CPU path)."""
+    batch = state_rows.shape[0]
+    counts = count[state_rows]
+    entry_count[:batch] = counts
+    width = int(positions.shape[1])
+    live = torch.arange(width, device=positions.device) < counts[:, None]
+    rows = req_pool_indices.long()[:, None]
+    slots = req_to_token[rows, positions[state_rows].long().clamp(max=req_to_token.shape[1] - 1)]
+    part = slot_table[:batch, :width]
+    part.copy_(torch.where(live, slots.to(slot_table.dtype), part))
+
+
 def shared_retained_decode(
     q: torch.Tensor,
     kv: KVView,

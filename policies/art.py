@@ -64,6 +64,9 @@ class Art(KVPolicy):
     def decode_program(self, ctx: DecodeContext, inputs: DecodeInputs) -> DecodeProgram:
         return DecodeProgram([self.full_decode(ctx, inputs, per_request=True)] * ctx.num_layers)
 
+    def over(self, base: KVPolicy) -> ArtOver:
+        return ArtOver(base=base, art=self)
+
     def reads_tiles(self) -> bool:
         return True
 
@@ -179,15 +182,3 @@ class ArtOver(KVPolicy):
     def describe(self) -> dict[str, Any]:
         base = {k: v for k, v in self.base.describe().items() if k != "name"}
         return {"name": self.name, **base, Art.name: dataclasses.asdict(self.art)}
-
-
-def compose(name: str, params: dict[str, Any], build) -> KVPolicy:
-    """``BASE+art`` from its parameters: the base policy's, with ART's under the key "art"."""
-    base_name, _, extra = name.partition("+")
-    if extra != Art.name:
-        raise PolicyConfigError("policy", f"unknown composition {name!r}: only BASE+art")
-    params = dict(params)
-    art_params = params.pop(Art.name, {})
-    if not isinstance(art_params, dict):
-        raise PolicyConfigError(f"{name}.{Art.name}", "expected an object of ART's parameters")
-    return ArtOver(base=build(base_name, params), art=build(Art.name, art_params))

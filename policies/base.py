@@ -84,6 +84,11 @@ class KVPolicy:
         """Its decode, built once from the engine's view and what its runtime owns."""
         return DecodeProgram([ctx.base_decode] * ctx.num_layers)
 
+    def over(self, base: KVPolicy) -> KVPolicy:
+        """This policy reading what ``base`` keeps or selects (``BASE+THIS``); PolicyConfigError
+        where it does not compose over it."""
+        raise PolicyConfigError("policy", f"{self.name} does not compose over {base.name}")
+
     def runtime(self, ctx: DecodeContext, shared: DecodeInputs | None = None) -> PolicyRuntime:
         """This policy's life in one attention backend (policies.runtime), built once at start-up
         from the policy ``for_model`` gave; ``shared``: what a policy mix shares with its

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from sglang_ext.kernels.kv_view import KVView
 from sglang_ext.kernels.split_kv_decode import SplitKVWorkspace
 
 # forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs) -> attention output
@@ -92,6 +93,25 @@ class DecodeContext:
 
 
 @dataclasses.dataclass(frozen=True)
+class RetainedKV:
+    """The KV an evicting policy holds this step, for a policy composed over it to read instead
+    of each request's whole row: batch entry b's tokens at the slots ``table[rows[b],
+    :lengths[b]]`` (gathered once per step, before the layers; the caller's tensors)."""
+
+    kv_pool: Any
+    table: torch.Tensor
+    rows: torch.Tensor
+    lengths: torch.Tensor
+
+    def view(self, layer_id: int) -> KVView:
+        pool = self.kv_pool
+        return KVView(
+            pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id), self.table,
+            self.rows, self.lengths,
+        )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
 class DecodeInputs:
     """What a policy's runtime owns and hands the decode it builds, beyond the engine's view."""
 
@@ -106,6 +126,8 @@ class DecodeInputs:
     # a policy mix member's share of the mix's slot tables (kernels.sparse_decode.TableShare):
     # a policy that reads a slot table takes this one; None: its own
     table_share: Any = None
+    # the KV an evicting policy under this one keeps (EVICTION+SELECTION): what it reads
+    retained: RetainedKV | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,9 @@ import dataclasses
 import torch
 from sglang_ext.kernels import selection_attention as sa
 from sglang_ext.kernels.page_select import unit_chooser
-from sglang_ext.policies.base import DecodeContext
+from sglang_ext.policies.base import DecodeContext, KVPolicy
+from sglang_ext.policies.context import RetainedKV
+from sglang_ext.policies.eviction_selection import over_eviction
 from sglang_ext.policies.registry import register_policy
 from sglang_ext.policies.selection import (
     LayerRole,
@@ -48,6 +50,9 @@ class DeltaPolicy(SelectionPolicy):
     recent_pages: int = 8
     sink_pages: int = 0  # the first pages, always kept (its max-probability score finds them)
 
+    def over(self, base: KVPolicy) -> KVPolicy:
+        return over_eviction(self, base)  # EVICTION+SELECTION: it reads what base keeps
+
     def paper_layers(self, num_layers: int) -> tuple[list[int], list[int]]:
         return [0, 1], [2, *scaled_layers(PAPER_DELTA_LAYERS[1:], PAPER_DEPTH, num_layers)]
 
@@ -57,9 +62,11 @@ class DeltaPolicy(SelectionPolicy):
         pages = max(1, tokens // PAGE_SIZE)
         return {"budget_pages": pages, "recent_pages": max(1, pages // 8)}
 
-    def selection(self, ctx: DecodeContext, importance_ordered: bool = False) -> Selection:
+    def selection(
+        self, ctx: DecodeContext, importance_ordered: bool = False, retained: RetainedKV | None = None
+    ) -> Selection:  # fmt: skip
         if torch.device(ctx.device).type == "cuda":
-            scoring = ragged_scoring(ctx, use_probs=True, page_size=PAGE_SIZE)
+            scoring = ragged_scoring(ctx, True, page_size=PAGE_SIZE, retained=retained)
         else:  # the torch reference (the Triton interpreter is far too slow to serve with)
             scoring = RaggedScoring(_reference_attention, {}, (), ())
         choose_pages = unit_chooser(

@@ -26,6 +26,7 @@ from sglang_ext.policies.base import (
     KVPolicy,
     PolicyConfigError,
 )
+from sglang_ext.policies.context import RetainedKV
 from sglang_ext.policies.calibration import find_calibration
 
 logger = logging.getLogger(__name__)
@@ -74,9 +75,12 @@ class SelectionPolicy(KVPolicy):
         """(full layers, selection layers) from the paper, for a model without calibration."""
         raise NotImplementedError
 
-    def selection(self, ctx: DecodeContext, importance_ordered: bool = False) -> Selection:
+    def selection(
+        self, ctx: DecodeContext, importance_ordered: bool = False, retained: RetainedKV | None = None
+    ) -> Selection:  # fmt: skip
         """Its selection rule; ``importance_ordered``: the selection lists its units by score
-        (ART reads it so), not by position."""
+        (ART reads it so), not by position; ``retained``: it selects among what an evicting
+        policy keeps (``EVICTION+SELECTION``), not among each request's tokens."""
         raise NotImplementedError
 
     @classmethod
@@ -232,6 +236,7 @@ class SelectionDecoder:
         self.policy_name, self.rule, self.ctx = policy_name, selection, ctx
         self.budget_column = budget_column  # the request table's column of each one's budget
         self.art, self.request_table = inputs.art, inputs.request_table
+        self.retained = inputs.retained
         self.tile_counts = inputs.tile_counts
         self.selected = torch.zeros(
             ctx.max_batch_size, selection.budget, dtype=torch.int32, device=ctx.device
@@ -265,7 +270,7 @@ class SelectionDecoder:
         batch = q.shape[0]
         row_budget = None if self.row_budget is None else self.row_budget[:batch]
         self.rule.choose(
-            token_scores, page_scores, forward_batch.seq_lens, row_budget,
+            token_scores, page_scores, kv.lengths[:batch], row_budget,
             out=(self.selected[:batch], self.num_selected[:batch]),
         )  # fmt: skip
         if self._table is not None:
@@ -310,6 +315,8 @@ class SelectionDecoder:
         if save_kv_cache and k is not None and v is not None:
             self.ctx.write_kv(layer, forward_batch, k, v)
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        if self.retained is not None:
+            return q, self.retained.view(layer.layer_id)
         kv = KVView.of_layer(self.ctx.kv_pool, layer.layer_id, self.ctx.req_to_token, forward_batch)
         return q, kv
 
@@ -342,11 +349,14 @@ class RaggedScoring:
     reservations: tuple[Callable[[int], bool], ...]
 
 
-def ragged_scoring(ctx: DecodeContext, use_probs: bool, page_size: int) -> RaggedScoring:
+def ragged_scoring(
+    ctx: DecodeContext, use_probs: bool, page_size: int, retained: RetainedKV | None = None
+) -> RaggedScoring:  # fmt: skip
     """A selection layer's attention on CUDA: the kernel with its scratch and its score rows owned
     up front (``kernels.selection_attention.ScoreRows``: ragged, sized by the KV pool, shared by
-    the policy's selection layers and placed once per step), and the ``unit_chooser`` arguments
-    that read those rows (units of ``page_size`` tokens: pages are scored beside tokens)."""
+    the policy's selection layers and placed once per step, by each request's tokens or by what
+    ``retained`` holds of them), and the ``unit_chooser`` arguments that read those rows (units
+    of ``page_size`` tokens: pages are scored beside tokens)."""
     rows = sa.ScoreRows(
         ctx.batch_tokens_bound(), ctx.max_batch_size, ctx.num_q_heads, ctx.device, page_size > 1
     )
@@ -355,9 +365,16 @@ def ragged_scoring(ctx: DecodeContext, use_probs: bool, page_size: int) -> Ragge
         workspace=ctx.split_workspace(ctx.req_to_token.shape[1]),
     )  # fmt: skip
     width = -(-ctx.req_to_token.shape[1] // page_size)
+
+    def place(forward_batch) -> None:
+        lengths = forward_batch.seq_lens
+        if retained is not None:
+            lengths = retained.lengths[: lengths.shape[0]]
+        rows.place(lengths)
+
     return RaggedScoring(
         attend_and_score, {"row_start": rows.row_start, "width": width},
-        step_setups=(lambda forward_batch: rows.place(forward_batch.seq_lens),),
+        step_setups=(place,),
         reservations=(rows.reserve,),
     )  # fmt: skip
 

@@ -56,6 +56,13 @@ CONFIGS = {
         name: {"compression_ratio": 0.7, "compression_interval": 64}
         for name in ("snapkv", "tova", "h2o")
     }, []),
+    # eviction under selection (policies/eviction_selection.py), each request naming its own
+    "composed": ("lethe+tidal,lethe+delta", {
+        "lethe+tidal": {"evict_threshold": THRESHOLD, "max_kv_ratio": MAX_KV_RATIO,
+                        "tidal": {"budget_tokens": 64}},
+        "lethe+delta": {"evict_threshold": THRESHOLD, "max_kv_ratio": MAX_KV_RATIO,
+                        "delta": {"budget_pages": 4, "recent_pages": 1}},
+    }, []),
     # every request its own policy, in one batch (policies/mix.py)
     "mix": ("lethe,delta,tidal,full", {
         "lethe": {"evict_threshold": THRESHOLD, "max_kv_ratio": MAX_KV_RATIO},
@@ -195,7 +202,7 @@ def test_small_budgets_attend_to_their_selection_and_answer(servers, name):
 @pytest.mark.parametrize(
     "name, spec",
     [("lethe", None), ("lethe_layers", None), ("scorers", "snapkv"), ("scorers", "tova"),
-     ("scorers", "h2o")],
+     ("scorers", "h2o"), ("composed", "lethe+tidal"), ("composed", "lethe+delta")],
 )  # fmt: skip
 def test_evicting_policies_free_slots_in_rounds_and_the_pool_stays_exact(servers, name, spec):
     needs(servers, name)

@@ -7,8 +7,8 @@ import pytest
 import torch
 from kernel_cases import DEVICE, OUT_TOL, make_batch
 from sglang_ext.kernels.rasr import (
-    gather_retained_slots, pool_neighbours, retained_decode_ref, shared_retained_decode,
-    shared_retained_decode_ref, window_scores,
+    gather_retained_slots, gather_retained_slots_ref, pool_neighbours, retained_decode_ref,
+    shared_retained_decode, shared_retained_decode_ref, window_scores,
 )
 from sglang_ext.kernels.selection_attention import selection_attention_ref
 
@@ -137,6 +137,11 @@ def test_one_list_for_every_layer_gathered_once_matches_the_reference(dtype):
     table = torch.full((size, MAX_CONTEXT), -1, dtype=torch.int32, device=DEVICE)
     entry_count = torch.full((size,), -1, dtype=torch.int32, device=DEVICE)
     gather_retained_slots(kv.table, kv.rows, positions, count, state_rows, table, entry_count)
+    table_ref, entry_count_ref = torch.full_like(table, -1), torch.full_like(entry_count, -1)
+    gather_retained_slots_ref(
+        kv.table, kv.rows, positions, count, state_rows, table_ref, entry_count_ref
+    )  # fmt: skip
+    assert torch.equal(table, table_ref) and torch.equal(entry_count, entry_count_ref)
     for b, (row, req) in enumerate(zip(state_rows.tolist(), kv.rows.tolist())):
         n = int(count[row])
         assert int(entry_count[b]) == n

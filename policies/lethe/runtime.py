@@ -98,7 +98,7 @@ class _RoundBatch:
     own: torch.Tensor  # bool, as slots: inside its round, past its radix prefix, not a hole
 
     @classmethod
-    def of(cls, members: list[tuple[StepRequest, int]], ctx) -> _RoundBatch:
+    def of(cls, policy, members: list[tuple[StepRequest, int]], ctx) -> _RoundBatch:
         requests, lengths = [r for r, _ in members], [n for _, n in members]
         device = ctx.req_to_token.device
         rows = torch.tensor([r.row for r in requests], device=device)
@@ -106,7 +106,7 @@ class _RoundBatch:
         column = torch.arange(slots.shape[1], device=device)
         bounds = torch.tensor([[r.protected_len, n] for r, n in members], device=device)
         own = (column >= bounds[:, :1]) & (column < bounds[:, 1:]) & (slots != ctx.padding_slot)
-        return cls(requests[0].state.policy, requests, lengths, rows, slots, own)
+        return cls(policy, requests, lengths, rows, slots, own)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,9 +118,11 @@ class _RoundOutcome:
 
 
 class LetheRuntime(PolicyRuntime):
-    """Lethe's device state for one attention backend, its decode and its rounds."""
+    """Lethe's device state for one attention backend, its decode and its rounds. ``eviction``:
+    the rule its rounds follow where ``policy`` is more than that rule (a composition)."""
 
-    def __init__(self, policy, ctx, shared: DecodeInputs | None = None):
+    def __init__(self, policy, ctx, shared: DecodeInputs | None = None, eviction=None):
+        self.eviction = policy if eviction is None else eviction
         table_share = None if shared is None else shared.table_share
         rows, cap = ctx.req_to_token.shape
         self.trash_row = rows  # padded batch entries (CUDA graphs) write here, read nothing
@@ -142,6 +144,8 @@ class LetheRuntime(PolicyRuntime):
             self._workspace = ctx.split_workspace(cap)
             if not policy.per_layer_lists():
                 self._own_table(ctx, cap, table_share)
+        if self._slot_table is None and self.reads_step_table():
+            self._own_table(ctx, cap, None)
         self.layer_rows = None  # per-layer memory: each entry's global K/V row
         if policy.pools_layer_rows():
             self.pooled = pooled_buffers(ctx.kv_pool, ctx.num_layers)
@@ -170,6 +174,15 @@ class LetheRuntime(PolicyRuntime):
     def build_program(self) -> DecodeProgram:
         return DecodeProgram([self._decode] * self.ctx.num_layers, table_reads=self._table_reads)
 
+    def reads_step_table(self) -> bool:
+        """Whether its decode reads the step's retained slots as a table off CUDA too (where
+        Lethe's own layers read its lists)."""
+        return False
+
+    def eviction_of(self, own):
+        """The eviction rule a request decoding under ``own`` (its own parameters) follows."""
+        return own
+
     def _own_table(self, ctx, cap: int, share) -> None:
         """The step's slot table, its own or its share of a mix's (which then attends over it for
         every layer: each layer is only that attention and the scores' update)."""
@@ -188,20 +201,20 @@ class LetheRuntime(PolicyRuntime):
         """RASR's update of layer ``lid`` from a call over the step's table that stored logits."""
         rasr.accumulate(
             self._logits, lse, self._entry_count[:batch], self.state_rows[:batch],
-            self.scores[lid], self.policy.decay,
+            self.scores[lid], self.eviction.decay,
         )  # fmt: skip
 
     # requests ---------------------------------------------------------------------------------
     def new_request(self, own, previous: RequestState | None) -> RequestState:
         state = super().new_request(own, previous)
         if own is not None:  # None: it chose full attention, nothing is evicted
-            state.policy_state = LetheRequest(threshold=own.first_threshold())
+            state.policy_state = LetheRequest(threshold=self.eviction_of(own).first_threshold())
         return state
 
     def admission_tokens(self, state: RequestState | None, total_tokens: int) -> int:
         if state is None or state.policy is None:
             return total_tokens
-        return state.policy.expected_kv(total_tokens)
+        return self.eviction_of(state.policy).expected_kv(total_tokens)
 
     # per step ---------------------------------------------------------------------------------
     def plan_step(self, requests: list[StepRequest], decode: bool) -> StepPlan:
@@ -234,7 +247,7 @@ class LetheRuntime(PolicyRuntime):
     def _reset_scores(self, requests: list[StepRequest]) -> None:
         """Zero the scores of the requests whose next round is to see only the queries from this
         step on (``LetheRequest.reset_at``): a device write before the step's forward."""
-        if self.policy.observed_steps() is None:  # server-wide: none of its requests resets
+        if self.eviction.observed_steps() is None:  # server-wide: none of its requests resets
             return
         due = [
             r for r in requests
@@ -250,8 +263,8 @@ class LetheRuntime(PolicyRuntime):
 
     def prepare_decode(self, forward_batch) -> None:
         """The token being decoded (position seq_len - 1) joins every layer's list; CUDA-graph
-        padding (seq_len 1: a real decoding request holds >= 2 tokens) points at the trash row."""
-        super().prepare_decode(forward_batch)
+        padding (seq_len 1: a real decoding request holds >= 2 tokens) points at the trash row;
+        then the program's step setups, which may read the step's table."""
         seq_lens = forward_batch.seq_lens
         batch = seq_lens.shape[0]
         state_rows = self.state_rows[:batch]
@@ -268,10 +281,13 @@ class LetheRuntime(PolicyRuntime):
             self.layer_rows[self._layers, state_rows, at] = new_rows
             self._entry_counts[:, :batch] = counts
         if self._slot_table is not None:
-            rasr.gather_retained_slots(
+            on_cuda = self.ctx.device.type == "cuda"
+            gather = rasr.gather_retained_slots if on_cuda else rasr.gather_retained_slots_ref
+            gather(
                 self.ctx.req_to_token, forward_batch.req_pool_indices, self.positions[0],
                 self.count[0], state_rows, self._slot_table, self._entry_count,
             )  # fmt: skip
+        super().prepare_decode(forward_batch)
 
     def relieve_memory(self, requests: list[StepRequest], engine: EngineOps) -> int:
         """Rounds now, whatever the thresholds, for each request that holds more than a round
@@ -281,7 +297,8 @@ class LetheRuntime(PolicyRuntime):
         due = [
             r for r in requests
             if r.state.evicts
-            and r.seq_len - r.state.evicted - r.protected_len > r.state.policy.round_cap(r.seq_len)
+            and r.seq_len - r.state.evicted - r.protected_len
+            > self.eviction_of(r.state.policy).round_cap(r.seq_len)
         ]  # fmt: skip
         before = sum(r.state.evicted for r in due)
         self.prune(due, [r.seq_len for r in due], engine)
@@ -317,18 +334,18 @@ class LetheRuntime(PolicyRuntime):
         pool = self.ctx.kv_pool
         if self.layer_rows is not None:
             return self._decode_rows(q, lid, layer.scaling).view(q.shape[0], -1)
-        if self._slot_table is not None:
+        if self._slot_table is not None and q.is_cuda:
             table = (self._slot_table, self._table_rows, self._entry_count)
             out = rasr.shared_retained_decode(
                 q, KVView(pool.get_key_buffer(lid), pool.get_value_buffer(lid), *table),
-                self.scores[lid], self.state_rows[: q.shape[0]], layer.scaling, self.policy.decay,
+                self.scores[lid], self.state_rows[: q.shape[0]], layer.scaling, self.eviction.decay,
                 self._logits, workspace=self._workspace,
             )  # fmt: skip
             return out.view(q.shape[0], -1)
         out = rasr.retained_decode_ref(  # off CUDA: the torch path
             q, KVView.of_layer(pool, lid, self.ctx.req_to_token, forward_batch),
             self.positions[lid], self.count[lid], self.scores[lid], layer.scaling,
-            self.policy.decay, self.state_rows[: q.shape[0]],
+            self.eviction.decay, self.state_rows[: q.shape[0]],
         )  # fmt: skip
         return out.view(q.shape[0], -1)
 
@@ -340,11 +357,11 @@ class LetheRuntime(PolicyRuntime):
         scores = self.scores[lid]
         if q.is_cuda:
             return rasr.shared_retained_decode(
-                q, kv, scores, state_rows, scaling, self.policy.decay, self._logits,
+                q, kv, scores, state_rows, scaling, self.eviction.decay, self._logits,
                 workspace=self._workspace,
             )  # fmt: skip
         return rasr.shared_retained_decode_ref(
-            q, kv, scores, state_rows, scaling, self.policy.decay
+            q, kv, scores, state_rows, scaling, self.eviction.decay
         )
 
     def reset_rows(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
@@ -366,7 +383,7 @@ class LetheRuntime(PolicyRuntime):
         (``_extending``, once per batch). Under tensor parallelism the batch's sums are combined
         across the ranks in one exchange per layer, before the ``seed``, and stored as this
         rank's 1/size share."""
-        window = self.policy.seed_window()
+        window = self.eviction.seed_window()
         if window == 0 or forward_batch.extend_seq_lens_cpu is None or not self._extending.rows:
             return
         lid, ranks = layer.layer_id, self.ctx.ranks
@@ -386,7 +403,7 @@ class LetheRuntime(PolicyRuntime):
         if ranks is not None:
             sums = ranks.sum(torch.cat(sums)).split([seq_len for _, seq_len, _, _ in extending])
         for (row, seq_len, _, _), received in zip(extending, sums, strict=True):
-            seed = self.policy.seed(received)
+            seed = self.eviction.seed(received)
             self.scores[lid, row, :seq_len] = seed if ranks is None else seed / ranks.size
 
     def prune(self, requests: list[StepRequest], lengths: list[int], engine: EngineOps) -> None:
@@ -398,17 +415,18 @@ class LetheRuntime(PolicyRuntime):
         launches."""
         by_policy: dict = {}
         for request, length in zip(requests, lengths, strict=True):
-            by_policy.setdefault(request.state.policy, []).append((request, length))
-        for members in by_policy.values():
+            rule = self.eviction_of(request.state.policy)
+            by_policy.setdefault(rule, []).append((request, length))
+        for policy, members in by_policy.items():
             batch: list = []
             for request, length in members:
                 widest = max([length, *(n for _, n in batch)])
                 if batch and (len(batch) + 1) * widest * self.ctx.num_layers > ROUND_ENTRIES:
-                    self._round(_RoundBatch.of(batch, self.ctx), engine)
+                    self._round(_RoundBatch.of(policy, batch, self.ctx), engine)
                     batch = []
                 batch.append((request, length))
             if batch:
-                self._round(_RoundBatch.of(batch, self.ctx), engine)
+                self._round(_RoundBatch.of(policy, batch, self.ctx), engine)
 
     def _round(self, batch: _RoundBatch, engine: EngineOps) -> None:
         own, rows, ranks = batch.policy, batch.rows, self.ctx.ranks
@@ -450,7 +468,7 @@ class LetheRuntime(PolicyRuntime):
             logger.info(
                 "sglang_ext: %s round %d of %s: %d positions, freed %d slots (available %d -> "
                 "%d), retained %d (radix-owned %d), next threshold %d, retained per layer %s",
-                own.name, request.state.rounds, request.rid, length, freed[i].numel(),
+                self.policy.name, request.state.rounds, request.rid, length, freed[i].numel(),
                 available_before, engine.available_slots(), length - request.state.evicted,
                 request.protected_len, request.state.policy_state.threshold, per_layer[i],
             )  # fmt: skip
@@ -461,14 +479,15 @@ class LetheRuntime(PolicyRuntime):
         """A request's host state after its round: what it freed and keeps, its next threshold
         (from each layer's breakpoint, where it found one)."""
         state, lethe = request.state, request.state.policy_state
+        rule = self.eviction_of(state.policy)
         breakpoints = [s if f else None for f, s in zip(found, salient_plus_recent, strict=True)]
         state.evicted += freed
         state.rounds += 1
         lethe.retained_per_layer, lethe.round_length = retained_per_layer, length
         retained = length - state.evicted
-        lethe.threshold = state.policy.next_threshold(lethe.threshold, breakpoints, retained, length)
+        lethe.threshold = rule.next_threshold(lethe.threshold, breakpoints, retained, length)
         # the last ``observed`` queries before the next round: from this retained KV on
-        observed = state.policy.observed_steps()
+        observed = rule.observed_steps()
         reset_at = None if observed is None else lethe.threshold + 1 - observed
         lethe.reset_at = reset_at if reset_at is not None and reset_at > retained else None
         self.stats.rounds += 1
@@ -498,8 +517,10 @@ class LetheRuntime(PolicyRuntime):
         own, ranks = batch.policy, self.ctx.ranks
         layers = keep.shape[1]
         row_lengths = [length for length in batch.lengths for _ in range(layers)]
+        shared = own.shared_entries(positions, scores, keep, batch.lengths)
         flat = (t.flatten(0, 1) for t in (positions, scores, keep))
-        stays = own.cap_layers(*flat, row_lengths).view_as(keep)
+        shared = None if shared is None else shared.flatten(0, 1)
+        stays = own.cap_layers(*flat, row_lengths, shared).view_as(keep)
         if ranks is not None:
             ranks.agree(stays.to(torch.int32), "the entries a round's requests keep")
         entries = self.layer_rows[:, batch.rows, : keep.shape[2]].transpose(0, 1)

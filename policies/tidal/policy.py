@@ -20,7 +20,9 @@ import functools
 import torch
 from sglang_ext.kernels import selection_attention as sa
 from sglang_ext.kernels.page_select import unit_chooser
-from sglang_ext.policies.base import DecodeContext, PolicyConfigError
+from sglang_ext.policies.base import DecodeContext, KVPolicy, PolicyConfigError
+from sglang_ext.policies.context import RetainedKV
+from sglang_ext.policies.eviction_selection import over_eviction
 from sglang_ext.policies.registry import register_policy
 from sglang_ext.policies.tidal.cache_correction import CacheCorrection
 from sglang_ext.policies.selection import (
@@ -65,6 +67,9 @@ class TidalPolicy(SelectionPolicy):
                 "correction_interval", f"must be >= 0 (0: off), got {self.correction_interval}"
             )
 
+    def over(self, base: KVPolicy) -> KVPolicy:
+        return over_eviction(self, base)  # EVICTION+SELECTION: it reads what base keeps
+
     def cache_correction(self) -> CacheCorrection | None:
         return CacheCorrection(self.correction_interval) if self.correction_interval > 0 else None
 
@@ -72,10 +77,12 @@ class TidalPolicy(SelectionPolicy):
         reselect = scaled_layers([PAPER_RESELECTION_LAYER], PAPER_DEPTH, num_layers)
         return [0, 1], sorted({2, *reselect})
 
-    def selection(self, ctx: DecodeContext, importance_ordered: bool = False) -> Selection:
+    def selection(
+        self, ctx: DecodeContext, importance_ordered: bool = False, retained: RetainedKV | None = None
+    ) -> Selection:  # fmt: skip
         if torch.device(ctx.device).type == "cuda":
             by_probability = self.score == "probability"
-            scoring = ragged_scoring(ctx, use_probs=by_probability, page_size=1)
+            scoring = ragged_scoring(ctx, by_probability, page_size=1, retained=retained)
         else:  # the torch reference (the Triton interpreter is far too slow to serve with)
             reference = functools.partial(_reference_attention, score=self.score)
             scoring = RaggedScoring(reference, {}, (), ())
