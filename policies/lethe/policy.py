@@ -340,7 +340,8 @@ class Lethe(EvictionPolicy):
             return f"{caps}, one set"
         memory = "per-layer memory" if self.pack_layers else "freed by the union"
         breakpoints = "" if self.sparse_ratio is None else f", sparse_ratio {self.sparse_ratio}"
-        return f"{caps}{breakpoints} ({memory})"
+        core = f", shared_ratio {self.shared_ratio}" if self.shared_ratio else ""
+        return f"{caps}{breakpoints}{core} ({memory})"
 
     def recent_window(self, retained: int) -> int:
         return math.ceil(self.recent_ratio * retained)
