@@ -24,7 +24,7 @@ from sglang_ext.policies.base import DecodeContext, DecodeInputs, KVPolicy, Poli
 from sglang_ext.policies.context import DecodeProgram, RetainedKV
 from sglang_ext.policies.lethe.policy import EvictionPolicy
 from sglang_ext.policies.lethe.runtime import LetheRuntime
-from sglang_ext.policies.runtime import FULL, StepRequest
+from sglang_ext.policies.runtime import FULL, StepPlan, StepRequest
 from sglang_ext.policies.selection import LayerRole, SelectionDecoder, SelectionPolicy
 
 SEPARATOR = "+"
@@ -137,6 +137,15 @@ class EvictedSelection(LetheRuntime):
         return DecodeProgram(
             layers, step_setups=decoder.step_setups, reservations=rule.reservations
         )
+
+    def plan_step(self, requests: list[StepRequest], decode: bool) -> StepPlan:
+        plan = super().plan_step(requests, decode)
+        if not decode:
+            return plan
+        # its selection scores the entries a request holds, not all its positions: the step's
+        # score rows fit what CUDA graphs recorded (sized by the KV pool) while the pool does
+        held = sum(r.seq_len - r.state.evicted for r in requests)
+        return dataclasses.replace(plan, batch_tokens=held)
 
     def after_extend(self, q, layer, forward_batch) -> None:
         if layer.layer_id in self.scoring_layers:

@@ -92,6 +92,16 @@ def test_sparse_layers_read_only_the_selection_from_the_retained_set():
     assert all(torch.isfinite(out).all() for out in outputs)
 
 
+def test_a_step_reserves_score_rows_for_what_its_requests_hold():
+    cache = Cache(seq_lens=(300, 40, 17))
+    policy = build_policy("lethe+tidal", {**EVICTION, "tidal": LAYERS})
+    runtime = policy.runtime(cache.context())
+    request = _after_a_round(runtime, cache)
+    others = [_request(cache, runtime, i) for i in (1, 2)]
+    plan = runtime.plan_step([request, *others], decode=True)
+    assert plan.batch_tokens == 300 - request.state.evicted + 40 + 17  # not 357 positions
+
+
 def test_prefill_seeds_only_the_scoring_layers():
     cache = Cache(num_layers=4, seq_lens=(40,))
     policy = build_policy("lethe+tidal", {**EVICTION, "tidal": LAYERS})
