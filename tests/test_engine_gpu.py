@@ -31,7 +31,7 @@ LONG_PROMPT = " ".join(
     f"Fact {i}: the {color} box holds {i * 7} marbles."
     for i, color in enumerate(["red", "blue", "green", "yellow", "white"] * 5)
 ) + " Question: how many marbles does the green box of fact 2 hold? Answer:"
-# Six servers share one GPU: each takes a small share, and Lethe's per-slot state stays small.
+# The servers share one GPU: each takes a small share, and Lethe's per-slot state stays small.
 # Each starts once the one before has sized its KV pool (SGLang's log line), not while it loads.
 POOL_SIZED = "KV Cache is allocated"
 COMMON = [
