@@ -16,7 +16,14 @@ from sglang_ext.policies.art import Art, ArtOver
      ("art", {"probe_stride": 0}, "art.probe_stride"), ("delta+art", {"art": {"phi": -1.0}}, "art.phi"),
      ("delta+art", {"art": 5}, "delta+art.art"), ("lethe+art", {}, "policy"),
      ("delta+spin", {}, "policy"), ("delta+art", {"budget_pages": 0}, "delta.budget_pages"),
-     ("art", {"tile_tokens": 48}, "art.tile_tokens")],
+     ("art", {"tile_tokens": 48}, "art.tile_tokens"),
+     # eviction under selection (policies/eviction_selection.py)
+     ("lethe+tidal", {"per_layer": True}, "lethe.per_layer"),
+     ("lethe+tidal", {"sparse_ratio": 10.0}, "lethe.per_layer"),
+     ("lethe+tidal", {"tidal": {"correction_interval": 8}}, "lethe+tidal.tidal.correction_interval"),
+     ("lethe+tidal", {"tidal": 3}, "lethe+tidal.tidal"), ("delta+tidal", {}, "policy"),
+     ("tidal+lethe", {}, "policy"), ("snapkv+tidal", {}, "snapkv.per_layer"),
+     ("lethe+tidal", {"tidal": {"budget_tokens": 0}}, "tidal.budget_tokens")],
 )  # fmt: skip
 def test_bad_parameters_name_the_field(name, params, field):
     with pytest.raises(PolicyConfigError) as err:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from policy_cases import Cache
 from test_lethe_runtime import Pool
-from sglang_ext.policies import PolicyConfigError, build_policy
+from sglang_ext.policies import build_policy
 from sglang_ext.policies.lethe.runtime import LetheRuntime, _Extending
 from sglang_ext.policies.runtime import StepRequest
 
@@ -114,26 +114,6 @@ def test_prefill_seeds_only_the_scoring_layers():
     for layer in range(4):
         runtime.after_extend(q, cache.layer(layer), prefill)
     assert runtime.scores[SCORING, row, :n].all() and not runtime.scores[2:].any()
-
-
-@pytest.mark.parametrize(
-    "name, params, field",
-    [
-        ("lethe+tidal", {"per_layer": True}, "lethe.per_layer"),
-        ("lethe+tidal", {"sparse_ratio": 10.0}, "lethe.per_layer"),
-        ("lethe+tidal", {"tidal": {"correction_interval": 8}},
-         "lethe+tidal.tidal.correction_interval"),
-        ("lethe+tidal", {"tidal": 3}, "lethe+tidal.tidal"),
-        ("delta+tidal", {}, "policy"),  # DELTA evicts nothing
-        ("tidal+lethe", {}, "policy"),
-        ("snapkv+tidal", {}, "snapkv.per_layer"),  # its lists are per layer
-        ("lethe+tidal", {"tidal": {"budget_tokens": 0}}, "tidal.budget_tokens"),
-    ],
-)  # fmt: skip
-def test_a_composition_that_cannot_work_is_refused_naming_the_field(name, params, field):
-    with pytest.raises(PolicyConfigError) as refused:
-        build_policy(name, params)
-    assert refused.value.field == field
 
 
 def test_a_composition_reports_as_one_policy_and_admits_as_its_eviction():
