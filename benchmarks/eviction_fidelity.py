@@ -52,6 +52,7 @@ from benchmarks.harness import Row, RunInfo
 from sglang_ext.policies import PolicyConfigError, build_policy, policy_class
 from sglang_ext.tools import agreement as ag
 from sglang_ext.tools import attention_trace as at
+from sglang_ext.policies.calibration import model_fingerprint
 from sglang_ext.tools.calibrate import model_slug
 
 BENCH = "eviction_fidelity"
@@ -119,11 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def policy_readers(args, num_layers: int) -> dict[tuple[str, str], object]:
+def policy_readers(args, num_layers: int, fingerprint: dict) -> dict[tuple[str, str], object]:
     """(label, budget) -> reads, for each of --policies (see the module's docstring)."""
     out = {}
+    ctx = at.cpu_context(num_layers, fingerprint)  # a composition's selection layers, as served
     for name, params in args.policies:
-        fields = {field.name for field in dataclasses.fields(policy_class(name))}
+        evicting = name.partition("+")[0]  # a composition's: its first policy's parameters
+        fields = {field.name for field in dataclasses.fields(policy_class(evicting))}
         changes = ",".join(f"{key}={json.dumps(value)}" for key, value in params.items())
         label = f"{name}[{changes}]" if changes else name
         if "max_kv_ratio" in fields and "max_kv_ratio" not in params:
@@ -133,10 +136,10 @@ def policy_readers(args, num_layers: int) -> dict[tuple[str, str], object]:
         for budget, config in configs:
             if "evict_threshold" in fields:
                 config["evict_threshold"] = args.evict_threshold
-            policy = build_policy(name, {**config, **params})
+            policy = build_policy(name, {**config, **params}).for_model(ctx)
             ratio = getattr(policy, "max_kv_ratio", None)
             budget = budget or (f"{ratio:g}" if ratio is not None else policy.budget())
-            out[label, budget] = ag.LetheReads(policy, num_layers, args.positions_from)
+            out[label, budget] = ag.decoded_reads(policy, num_layers, args.positions_from)
     return out
 
 
@@ -160,7 +163,8 @@ def readers(args, model) -> dict[tuple[str, str], object]:
                     )  # fmt: skip
                     label = f"kvpress-{name}/layer" if one_list else f"kvpress-{name}"
                     out[label, reads.budget] = reads
-    return {**out, **policy_readers(args, model.config.num_hidden_layers)}
+    fingerprint = model_fingerprint(model.config)
+    return {**out, **policy_readers(args, model.config.num_hidden_layers, fingerprint)}
 
 
 def measure(args, model_path) -> tuple[dict, str]:

@@ -27,6 +27,11 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+# Tidal over Lethe, its sparse layers reading 16 of what Lethe keeps
+COMPOSED = 'lethe+tidal:{"tidal": {"budget_tokens": 16}}'
+COMPOSED_LABEL = 'lethe+tidal[tidal={"budget_tokens": 16}]'
+
+
 @pytest.fixture(scope="module")
 def rows(model_path, tmp_path_factory) -> list[dict]:
     pytest.importorskip("kvpress")
@@ -35,7 +40,7 @@ def rows(model_path, tmp_path_factory) -> list[dict]:
         "--model-path", str(model_path), "--lengths", str(LENGTH), "--prompts-per-length", "1",
         "--positions-from", str(PROMPT), "--stride", str(STRIDE), "--kv-ratios", "0.3,1.0",
         "--compression-interval", str(INTERVAL), "--window", "64", "--evict-threshold", "64",
-        "--policies", 'lethe;lethe:{"max_kv_ratio": 0.5}', "--threads", "1",
+        "--policies", f'lethe;lethe:{{"max_kv_ratio": 0.5}};{COMPOSED}', "--threads", "1",
         "--out-dir", str(out), "--results-md", str(out / "RESULTS.md"),
     ])  # fmt: skip
     (rows_path,) = out.glob("eviction_fidelity-*.json")
@@ -55,7 +60,8 @@ def test_rows_have_the_schema_and_name_the_ratio_asked(rows):
         assert {(f"kvpress-{press}", "0.3"), (f"kvpress-{press}", "1")} <= budgets
     assert {("lethe", "0.3"), ("lethe", "1"), ("lethe[max_kv_ratio=0.5]", "0.5")} <= budgets
     assert {("full", ""), ("window-64", "64 tokens")} <= budgets
-    assert len(budgets) == 2 * 6 + 3 + 2  # the explicit max_kv_ratio is measured once
+    assert {(COMPOSED_LABEL, "0.3"), (COMPOSED_LABEL, "1")} <= budgets
+    assert len(budgets) == 2 * 6 + 3 + 2 + 2  # the explicit max_kv_ratio is measured once
 
 
 def test_keeping_everything_reads_as_full_attention(values):
@@ -64,6 +70,9 @@ def test_keeping_everything_reads_as_full_attention(values):
         assert values[label, "1", "kl_nats"] < 1e-6, label
         assert values[label, "1", "kv_kept_fraction"] == 1.0, label
     assert values["full", "", "kl_nats"] < 1e-6
+    # Lethe keeping everything under Tidal: its sparse layers still read only their selection
+    assert values[COMPOSED_LABEL, "1", "kv_kept_fraction"] == 1.0
+    assert values[COMPOSED_LABEL, "1", "kl_nats"] > 1e-4
 
 
 def test_at_a_compression_a_press_holds_the_ratio_asked(values):

@@ -234,6 +234,30 @@ class LetheReads(DecodedReads):
         )
 
 
+class EvictedSelectionReads(LetheReads):
+    """``EVICTION+SELECTION`` (``lethe+tidal``): every layer reads Lethe's retained set, as
+    ``LetheReads`` keeps it, but the selection's sparse layers, which read what its latest
+    selection layer chose among that set by the policy's own rule (``SelectionReads``, over the
+    step's scores of the retained tokens). The decode between measured steps is the composed
+    runtime's own (``policies.eviction_selection``). ``policy`` has its layer lists set."""
+
+    def __init__(self, policy, num_layers: int, prompt_len: int):
+        super().__init__(policy, num_layers, prompt_len)
+        self.selection = SelectionReads(policy.selection, num_layers)
+
+    def tokens(self, layer: int, logits: torch.Tensor) -> torch.Tensor | None:
+        retained = super().tokens(layer, logits)  # one set: the same at every layer
+        chosen = self.selection.tokens(layer, logits[:, retained])  # entries of the set
+        return retained if chosen is None else retained[chosen]
+
+
+def decoded_reads(policy, num_layers: int, prompt_len: int) -> LetheReads:
+    """The reads of an evicting policy, or of a selection composed over one."""
+    composed = getattr(policy, "selection", None) is not None
+    reads = EvictedSelectionReads if composed else LetheReads
+    return reads(policy, num_layers, prompt_len)
+
+
 @dataclasses.dataclass
 class OneStep:
     """The decode step at ``position``: the prefill's K/V before it, ``reads`` per layer."""
