@@ -22,7 +22,8 @@ Methods, each at every kv ratio R of --kv-ratios (a row's ``budget``):
   ``--kvpress-lists layer`` (or ``both``) also measures each press with one list per layer
   (``kvpress-NAME/layer``: its scores averaged over the layer's KV heads, as on Lethe's runtime).
 - each of --policies (``NAME`` or ``NAME:{json}``, ';'-separated), any registered policy that
-  evicts, decoded through the engine's own runtime (``agreement.LetheReads``): at each ratio with
+  evicts or a selection composed over one (``lethe+tidal``: ``agreement.EvictedSelectionReads``),
+  decoded through the engine's own runtime (``agreement.LetheReads``): at each ratio with
   ``max_kv_ratio`` R (and --evict-threshold) where the policy takes those parameters and the JSON
   does not set them; otherwise once, as the JSON says (its budget then the policy's own).
 - ``full`` (the one-step path itself) and, with --window W, ``window-W``.
