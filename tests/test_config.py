@@ -38,6 +38,24 @@ def test_exported_policy_is_what_engine_processes_build(monkeypatch):
     mix = config.policy_from_flags("lethe,delta+art", '{"delta+art": {"art": {"tau": 0.5}}}')
     config.export_policy(mix)
     assert config.active_policy() == mix and config.active_policy().members[1].art.tau == 0.5
+    composed = config.policy_from_flags(
+        "lethe+tidal,full", '{"lethe+tidal": {"max_kv_ratio": 0.2, "tidal": {"budget_tokens": 64}}}'
+    )
+    config.export_policy(composed)
+    assert config.active_policy() == composed
+    monkeypatch.delenv(config.POLICY_ENV)
+    config.active_policy.cache_clear()
+
+
+def test_a_served_policy_that_does_not_build_stops_the_engine_process(monkeypatch):
+    from sglang_ext import plugin
+
+    # SGLang's plugin loader logs an exception and serves vanilla; a SystemExit stops it
+    spec = {"name": "lethe", "params": {"lethe": {"max_kv_ratio": 0.2}}}
+    monkeypatch.setenv(config.POLICY_ENV, json.dumps(spec))
+    config.active_policy.cache_clear()
+    with pytest.raises(SystemExit, match="does not build here: lethe.lethe: unknown parameter"):
+        plugin.register()
     monkeypatch.delenv(config.POLICY_ENV)
     config.active_policy.cache_clear()
 
