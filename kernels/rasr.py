@@ -92,6 +92,57 @@ def _gather_slots_kernel(
         tl.store(SlotTable + batch * stride_table + offs_j, slot, mask=valid_j)
 
 
+@triton.jit
+def _accumulate_selected_kernel(
+    Logits,
+    Lse,
+    Selected,
+    NumSelected,
+    EntryCount,
+    Rows,
+    Scores,
+    gamma,
+    stride_lg_b,
+    stride_lg_h,
+    stride_selected,
+    stride_sc_row,
+    NUM_Q_HEADS: tl.constexpr,
+    SPAN: tl.constexpr,
+    BLOCK_UNITS: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+):
+    batch = tl.program_id(0).to(tl.int64)
+    row_scores = Scores + tl.load(Rows + batch).to(tl.int64) * stride_sc_row
+    count = tl.load(EntryCount + batch)
+    for start in range(0, count, BLOCK_J):  # every entry decays; the selected then receive
+        offs_j = start + tl.arange(0, BLOCK_J)
+        old = tl.load(row_scores + offs_j, mask=offs_j < count, other=0.0)
+        tl.store(row_scores + offs_j, gamma * old, mask=offs_j < count)
+    tl.debug_barrier()
+    num = tl.load(NumSelected + batch)
+    offs_s = tl.arange(0, SPAN)
+    written = count * 0
+    for start in range(0, num, BLOCK_UNITS):
+        offs_u = start + tl.arange(0, BLOCK_UNITS)
+        unit = tl.load(Selected + batch * stride_selected + offs_u, mask=offs_u < num, other=0)
+        first = unit * SPAN
+        # a unit's entries below the count, packed after the units before it (as gathered)
+        valid = tl.where(offs_u < num, tl.minimum(tl.maximum(count - first, 0), SPAN), 0)
+        at = (written + tl.cumsum(valid, 0) - valid)[:, None] + offs_s[None, :]
+        keep = offs_s[None, :] < valid[:, None]
+        received = tl.zeros([BLOCK_UNITS, SPAN], dtype=tl.float32)
+        for h in tl.static_range(NUM_Q_HEADS):
+            lse = tl.load(Lse + batch * NUM_Q_HEADS + h)
+            logit = tl.load(
+                Logits + batch * stride_lg_b + h * stride_lg_h + at, mask=keep, other=float("-inf")
+            )
+            received += tl.exp(logit - lse)
+        entry = first[:, None] + offs_s[None, :]
+        old = tl.load(row_scores + entry, mask=keep, other=0.0)
+        tl.store(row_scores + entry, old + received, mask=keep)
+        written += tl.sum(valid, 0)
+
+
 def accumulate(logits, lse, entry_count, rows, scores, gamma) -> None:
     """scores[rows[b], j] = gamma * scores[rows[b], j] + sum over heads of exp(logits[b, :, j] -
     lse[b]), for j < entry_count[b]."""
@@ -100,6 +151,23 @@ def accumulate(logits, lse, entry_count, rows, scores, gamma) -> None:
         logits, lse, entry_count, rows, scores, gamma,
         logits.stride(0), logits.stride(1), scores.stride(0),
         NUM_Q_HEADS=num_q_heads, BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_J=_BLOCK_J,
+    )  # fmt: skip
+
+
+def accumulate_selected(
+    logits, lse, selected, num_selected, page_size: int, entry_count, rows, scores, gamma
+) -> None:
+    """RASR's update of a layer that attended only to a selection of the retained entries: every
+    entry j < entry_count[b] of scores[rows[b]] decays by gamma, then each selected entry (units
+    selected[b, :num_selected[b]] of ``page_size`` entries, those below the count) adds the
+    probability it received, summed over heads: exp(logits[b, h, i] - lse[b, h]) with i its
+    index in the selection's gathered table (``gather_selected_slots``'s order)."""
+    batch, num_q_heads = lse.shape
+    _accumulate_selected_kernel[(batch,)](
+        logits, lse, selected, num_selected, entry_count, rows, scores, gamma,
+        logits.stride(0), logits.stride(1), selected.stride(0), scores.stride(0),
+        NUM_Q_HEADS=num_q_heads, SPAN=page_size, BLOCK_UNITS=max(1, 256 // page_size),
+        BLOCK_J=1024,
     )  # fmt: skip
 
 
@@ -179,6 +247,42 @@ def shared_retained_decode_ref(
         slots = kv.table[table_row, :n].long()
         kept_scores = scores[state_row, :n]
         out[b] = _attend_and_score(q[b], kv, slots, sm_scale, kept_scores, gamma)
+    return out
+
+
+def selected_decode_ref(
+    q: torch.Tensor,
+    kv: KVView,
+    selected: torch.Tensor,
+    num_selected: torch.Tensor,
+    page_size: int,
+    scores: torch.Tensor,
+    state_rows: torch.Tensor,
+    sm_scale: float,
+    gamma: float,
+) -> torch.Tensor:
+    """Decode over a selection of each request's retained entries, with the RASR update of
+    ``accumulate_selected``: the oracle of a SlotTable's attention storing logits followed by
+    ``accumulate_selected``, and the CPU engine's path. Entry b's retained entries are the table
+    row ``kv.table[kv.rows[b], :kv.lengths[b]]``, their scores scores[state_rows[b]]; fp32."""
+    batch = q.shape[0]
+    out = torch.zeros_like(q)
+    offsets = torch.arange(page_size, device=q.device)
+    each = zip(
+        kv.rows[:batch].tolist(), kv.lengths[:batch].tolist(), state_rows.tolist(),
+        num_selected[:batch].tolist(),
+    )  # fmt: skip
+    for b, (table_row, n, state_row, num) in enumerate(each):
+        row_scores = scores[state_row, :n]
+        row_scores.mul_(gamma)
+        entries = (selected[b, :num, None].long() * page_size + offsets).flatten()
+        entries = entries[entries < n]
+        if entries.numel() == 0:
+            continue
+        slots = kv.table[table_row, entries].long()
+        out_b, logits = attend_positions_ref(q[b], kv.k, kv.v, slots, sm_scale)
+        row_scores.index_add_(0, entries, torch.softmax(logits, dim=-1).sum(dim=0))
+        out[b] = out_b.to(q.dtype)
     return out
 
 

@@ -128,6 +128,11 @@ class SlotTable:
 
     def attend(self, q, kv: KVView, sm_scale: float, out=None) -> torch.Tensor:
         """Attention of q [batch, q_heads, dim] over the gathered selection of ``kv``'s buffers."""
+        return self.attend_with_lse(q, kv, sm_scale, out=out)[0]
+
+    def attend_with_lse(self, q, kv: KVView, sm_scale: float, out=None, logits=None):
+        """``attend``'s (out, lse); ``logits`` ([>= batch, q_heads, >= entries] fp32) receives
+        each gathered entry's scaled q·k, by its index in the table."""
         batch = q.shape[0]
         splits = None
         if self.workspace is None:
@@ -135,11 +140,11 @@ class SlotTable:
             splits = num_kv_splits_for(
                 batch, kv_heads, entries, q.device, SHORT_LIST_PROGRAMS_PER_SM
             )
-        out, _ = split_kv_decode(
+        return split_kv_decode(
             q, kv.through(self.slots, self.rows[:batch], self.count[:batch]), sm_scale,
             num_kv_splits=splits, workspace=self.workspace, out=out, launch=STAGE1_SELECTED,
+            logits=None if logits is None else logits[:batch],
         )  # fmt: skip
-        return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,12 +4,14 @@ admission, memory and reports are its runtime's (``policies.lethe.runtime``). Th
 policy reads only that retained set: its full-attention layers attend to all of it, its selection
 layers attend to all of it and choose among its entries, and its sparse layers read that choice.
 
-The eviction's scores come from the layers that attend to the whole retained set, the selection's
-full and selection layers: a sparse layer sees only what was selected, so its attention would
-favour that. The other layers keep no scores (nor prefill seeds), and a round ranks tokens by the
-scoring layers alone (a layer without scores gives every token a share of 0). A selection layer
-runs the eviction's attention, which gives its output and its scores, and the selection's scoring
-attention over the same entries.
+Every layer keeps the eviction's scores, as the eviction alone does (prefill seeds included): a
+full or selection layer from its attention over the whole retained set, a sparse layer from its
+attention over the selection, which every entry's score decays by and the selected entries'
+probabilities are added to (``kernels.rasr.accumulate_selected``): an entry left out of the
+selection is one the layer would have paid little. Scored by the full and selection layers alone
+(a few of the model's), the rounds kept measurably less of what the next steps attend. A
+selection layer runs the eviction's attention, which gives its output and its scores, and the
+selection's scoring attention over the same entries.
 
 The eviction keeps one retained set for every layer: gathered into one slot table per step, it is
 what each layer reads (per-layer lists are not composed).
@@ -18,8 +20,10 @@ what each layer reads (per-layer lists are not composed).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
+from sglang_ext.kernels import rasr
 from sglang_ext.policies.base import DecodeContext, DecodeInputs, KVPolicy, PolicyConfigError
 from sglang_ext.policies.context import DecodeProgram, RetainedKV
 from sglang_ext.policies.lethe.policy import EvictionPolicy
@@ -105,8 +109,6 @@ class EvictedSelection(LetheRuntime):
     def __init__(self, policy: SelectionOverEviction, ctx, shared: DecodeInputs | None = None):
         # its layers are more than reads of one slot table: under a mix it keeps its own tables
         own = dataclasses.replace(shared or DecodeInputs(), table_share=None)
-        roles = policy.selection.layer_roles(ctx.num_layers)
-        self.scoring_layers = {i for i, role in enumerate(roles) if role is not LayerRole.SPARSE}
         super().__init__(policy, ctx, own, eviction=policy.eviction)
 
     def reads_step_table(self) -> bool:
@@ -129,10 +131,8 @@ class EvictedSelection(LetheRuntime):
             decoder.select_decode(q, None, None, layer, forward_batch, save_kv_cache=False)
             return out
 
-        by_role = {
-            LayerRole.FULL: self._decode, LayerRole.SELECT: select,
-            LayerRole.SPARSE: decoder.sparse_decode,
-        }  # fmt: skip
+        sparse = functools.partial(self._decode_selected, decoder)
+        by_role = {LayerRole.FULL: self._decode, LayerRole.SELECT: select, LayerRole.SPARSE: sparse}
         layers = [by_role[role] for role in selection.layer_roles(self.ctx.num_layers)]
         return DecodeProgram(
             layers, step_setups=decoder.step_setups, reservations=rule.reservations
@@ -147,9 +147,31 @@ class EvictedSelection(LetheRuntime):
         held = sum(r.seq_len - r.state.evicted for r in requests)
         return dataclasses.replace(plan, batch_tokens=held)
 
-    def after_extend(self, q, layer, forward_batch) -> None:
-        if layer.layer_id in self.scoring_layers:
-            super().after_extend(q, layer, forward_batch)
+    def _decode_selected(
+        self, decoder: SelectionDecoder, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs
+    ):  # fmt: skip
+        """A sparse layer: attention over the latest selection among the retained entries, and
+        the eviction's scores updated from it."""
+        if save_kv_cache and k is not None and v is not None:
+            self.ctx.write_kv(layer, forward_batch, k, v)
+        q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        lid, batch = layer.layer_id, q.shape[0]
+        kv = decoder.retained.view(lid)
+        selected, num_selected = decoder.selected[:batch], decoder.num_selected[:batch]
+        page_size, decay = decoder.rule.page_size, self.eviction.decay
+        state_rows = self.state_rows[:batch]
+        if decoder.table is None:  # off CUDA: the torch path
+            out = rasr.selected_decode_ref(
+                q, kv, selected, num_selected, page_size, self.scores[lid], state_rows,
+                layer.scaling, decay,
+            )  # fmt: skip
+            return out.view(batch, -1)
+        out, lse = decoder.table.attend_with_lse(q, kv, layer.scaling, logits=self._logits)
+        rasr.accumulate_selected(
+            self._logits, lse, selected, num_selected, page_size, kv.lengths[:batch], state_rows,
+            self.scores[lid], decay,
+        )  # fmt: skip
+        return out.view(batch, -1)
 
     def report(self, request: StepRequest, extend: bool):
         report = super().report(request, extend)

@@ -258,6 +258,11 @@ class SelectionDecoder:
         if ctx.ranks is not None:
             logger.info("sglang_ext: %s selection scores are combined across ranks", policy_name)
 
+    @property
+    def table(self) -> SlotTable | None:
+        """Where the sparse layers read the latest selection on CUDA (None: the torch path)."""
+        return self._table
+
     def reads_shared_table(self) -> bool:
         return self._table is not None and self._shares_table
 

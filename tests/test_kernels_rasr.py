@@ -7,9 +7,11 @@ import pytest
 import torch
 from kernel_cases import DEVICE, OUT_TOL, make_batch
 from sglang_ext.kernels.rasr import (
-    gather_retained_slots, gather_retained_slots_ref, pool_neighbours, retained_decode_ref,
-    shared_retained_decode, shared_retained_decode_ref, window_scores,
+    accumulate_selected, gather_retained_slots, gather_retained_slots_ref, pool_neighbours,
+    retained_decode_ref, selected_decode_ref, shared_retained_decode, shared_retained_decode_ref,
+    window_scores,
 )
+from sglang_ext.kernels.sparse_decode import SlotTable
 from sglang_ext.kernels.selection_attention import selection_attention_ref
 
 SEQ_LENS = (5, 37, 70)
@@ -162,6 +164,53 @@ def test_one_list_for_every_layer_gathered_once_matches_the_reference(dtype):
     assert torch.count_nonzero(out[1]) == 0
     touched = {state_rows[0].item(), state_rows[2].item()}
     for row in set(range(num_rows + 1)) - touched:
+        assert torch.equal(scores[row], before[row]), row
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_selection_of_the_retained_entries_scores_as_its_reference(page_size):
+    """A sparse layer under eviction: attention over the selected entries (gathered as a
+    SlotTable), every entry's score decayed and the selected ones' probabilities added; the last
+    unit runs past a request's entries, and entry 1 plays CUDA-graph padding (no entries)."""
+    dtype = torch.float16
+    batch, sm_scale = make_batch(dtype, seq_lens=SEQ_LENS, max_context=MAX_CONTEXT)
+    kv = batch["kv"]
+    size = len(SEQ_LENS) + 1  # buffers larger than the batch, as the runtime owns them
+    entries = torch.tensor([30, 0, 45], dtype=torch.int32, device=DEVICE)
+    table = kv.table[kv.rows.long()].contiguous()  # each entry's retained slots, by batch entry
+    retained = kv.through(table, torch.arange(len(SEQ_LENS), device=DEVICE), entries)
+    units = -(-45 // page_size)
+    selected = torch.zeros(size, 8, dtype=torch.int32, device=DEVICE)
+    selected[0, :3] = torch.tensor([0, 3, 30 // page_size - 1])
+    selected[2, :4] = torch.tensor([units - 1, 1, 5, 0])  # the last unit is partial for pages
+    num_selected = torch.tensor([3, 0, 4, 0], dtype=torch.int32, device=DEVICE)
+    state_rows = torch.tensor([2, size + 1, 0], device=DEVICE)  # 5: the trash row
+    gen = torch.Generator().manual_seed(3)
+    scores = torch.rand(size + 2, MAX_CONTEXT, generator=gen).to(DEVICE)
+    before, scores_ref = scores.clone(), scores.clone()
+
+    slot_table = SlotTable(size, 8 * page_size, DEVICE)
+    slot_table.gather(retained, selected[:3], num_selected[:3], page_size)
+    logits = torch.full((size, batch["q"].shape[1], MAX_CONTEXT), float("nan"), device=DEVICE)
+    out, lse = slot_table.attend_with_lse(batch["q"], retained, sm_scale, logits=logits)
+    accumulate_selected(
+        logits, lse, selected[:3], num_selected[:3], page_size, entries, state_rows, scores, 0.5
+    )  # fmt: skip
+    out_ref = selected_decode_ref(
+        batch["q"], retained, selected, num_selected, page_size, scores_ref, state_rows,
+        sm_scale, 0.5,
+    )  # fmt: skip
+    torch.testing.assert_close(out[[0, 2]], out_ref[[0, 2]], **OUT_TOL[dtype])
+    torch.testing.assert_close(scores, scores_ref, atol=1e-4, rtol=1e-4)
+    heads = batch["q"].shape[1]
+    for b, row in ((0, 2), (2, 0)):
+        n = int(entries[b])
+        # each head's probabilities sum to 1 over the selection; every old score halves
+        assert scores[row, :n].sum().item() == pytest.approx(
+            heads + 0.5 * before[row, :n].sum().item(), rel=1e-3
+        )
+        assert torch.equal(scores[row, n:], before[row, n:])  # past its entries: untouched
+    for row in (1, 3, size + 1):
         assert torch.equal(scores[row], before[row]), row
 
 

@@ -1,6 +1,6 @@
 """``EVICTION+SELECTION`` (``lethe+tidal``, ``lethe+delta``) on small CPU tensors: the selection
-reads only what the eviction keeps, the eviction scores only where the whole retained set is read
-(the engine runs are in test_engine_mix)."""
+reads only what the eviction keeps, and every layer keeps the eviction's scores from what it
+attended (the engine runs are in test_engine_composition)."""
 
 from types import SimpleNamespace
 
@@ -14,7 +14,6 @@ from sglang_ext.policies.runtime import StepRequest
 
 EVICTION = {"max_kv_ratio": 0.3, "evict_threshold": 8, "decay": 0.95}
 LAYERS = {"full_layers": [0], "selection_layers": [1]}  # then two sparse layers
-SCORING = [0, 1]
 
 
 def _request(cache, runtime, index) -> StepRequest:
@@ -33,8 +32,8 @@ def _after_a_round(runtime, cache):
     request = _request(cache, runtime, 0)
     length = request.seq_len - 1
     gen = torch.Generator().manual_seed(1)
-    scores = torch.rand(len(SCORING), length, generator=gen) ** 8
-    runtime.scores[SCORING, request.row, :length] = scores
+    scores = torch.rand(runtime.ctx.num_layers, length, generator=gen) ** 8
+    runtime.scores[:, request.row, :length] = scores
     runtime.prune([request], [length], Pool().ops())
     return request
 
@@ -67,9 +66,8 @@ def test_a_selection_that_covers_the_retained_set_decodes_as_the_eviction_alone(
         zip(_decode_all(composed, composed_cache), _decode_all(alone, alone_cache), strict=True)
     ):
         torch.testing.assert_close(ours, theirs, msg=f"layer {layer}")
-    # scores where the whole retained set is read, as the eviction alone keeps them; none else
-    torch.testing.assert_close(composed.scores[SCORING], alone.scores[SCORING])
-    assert not composed.scores[2:].any()
+    # the sparse layers read every retained entry too: every layer's scores are the eviction's
+    torch.testing.assert_close(composed.scores, alone.scores)
 
 
 def test_sparse_layers_read_only_the_selection_from_the_retained_set():
@@ -78,7 +76,7 @@ def test_sparse_layers_read_only_the_selection_from_the_retained_set():
     runtime = policy.runtime(cache.context())
     _after_a_round(runtime, cache)
     outputs = _decode_all(runtime, cache)
-    decoder_selected = runtime.decode_fns[2].__self__.selected  # the sparse layers' decoder
+    decoder_selected = runtime.decode_fns[2].args[0].selected  # the sparse layers' decoder
     count = runtime._entry_count
     table = runtime._slot_table
     for b in range(3):
@@ -87,6 +85,18 @@ def test_sparse_layers_read_only_the_selection_from_the_retained_set():
         assert int(chosen.max()) < n  # entries of the retained list, not positions
         slots = table[b, chosen]
         assert not set(slots.tolist()) - set(table[b, :n].tolist())
+    # a sparse layer's scores: every entry decayed, the selected ones given what they received
+    before = runtime.scores.clone()
+    _decode_all(runtime, cache)
+    decay, heads = EVICTION["decay"], Cache.Q_HEADS
+    for b in range(3):
+        row, n = int(cache.batch.req_pool_indices[b]), int(count[b])
+        chosen = set(decoder_selected[b, : min(16, n)].tolist())
+        for layer in (2, 3):
+            now, then = runtime.scores[layer, row, :n], before[layer, row, :n]
+            assert now.sum().item() == pytest.approx(heads + decay * then.sum().item(), rel=1e-4)
+            left_out = [j for j in range(n) if j not in chosen]
+            torch.testing.assert_close(now[left_out], decay * then[left_out])
     held = runtime.report(_request(cache, runtime, 0), extend=False)
     assert held.attended < held.held  # the sparse layers read 16 of what it holds
     assert all(torch.isfinite(out).all() for out in outputs)
@@ -102,7 +112,7 @@ def test_a_step_reserves_score_rows_for_what_its_requests_hold():
     assert plan.batch_tokens == 300 - request.state.evicted + 40 + 17  # not 357 positions
 
 
-def test_prefill_seeds_only_the_scoring_layers():
+def test_prefill_seeds_every_layer():
     cache = Cache(num_layers=4, seq_lens=(40,))
     policy = build_policy("lethe+tidal", {**EVICTION, "tidal": LAYERS})
     runtime = policy.runtime(cache.context())
@@ -113,7 +123,7 @@ def test_prefill_seeds_only_the_scoring_layers():
     q = torch.randn(n, Cache.Q_HEADS * Cache.DIM)
     for layer in range(4):
         runtime.after_extend(q, cache.layer(layer), prefill)
-    assert runtime.scores[SCORING, row, :n].all() and not runtime.scores[2:].any()
+    assert runtime.scores[:, row, :n].all()
 
 
 def test_a_composition_reports_as_one_policy_and_admits_as_its_eviction():
