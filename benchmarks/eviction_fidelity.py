@@ -23,6 +23,7 @@ Methods, each at every kv ratio R of --kv-ratios (a row's ``budget``):
   (``kvpress-NAME/layer``: its scores averaged over the layer's KV heads, as on Lethe's runtime).
 - each of --policies (``NAME`` or ``NAME:{json}``, ';'-separated), any registered policy that
   evicts or a selection composed over one (``lethe+tidal``: ``agreement.EvictedSelectionReads``),
+  or a selection alone (``tidal``: ``agreement.SelectionReads``, once, at its budget),
   decoded through the engine's own runtime (``agreement.LetheReads``): at each ratio with
   ``max_kv_ratio`` R (and --evict-threshold) where the policy takes those parameters and the JSON
   does not set them; otherwise once, as the JSON says (its budget then the policy's own).
@@ -54,6 +55,7 @@ from sglang_ext.policies import PolicyConfigError, build_policy, policy_class
 from sglang_ext.tools import agreement as ag
 from sglang_ext.tools import attention_trace as at
 from sglang_ext.policies.calibration import model_fingerprint
+from sglang_ext.policies.selection import SelectionPolicy
 from sglang_ext.tools.calibrate import model_slug
 
 BENCH = "eviction_fidelity"
@@ -62,7 +64,8 @@ METRICS = ("top1_agreement", "kl_nats", "kv_kept_fraction")
 
 
 def policy_spec(text: str) -> tuple[str, dict]:
-    """``NAME`` or ``NAME:{json}`` -> (a registered policy that evicts, its parameters)."""
+    """``NAME`` or ``NAME:{json}`` -> (a registered policy that evicts or selects, its
+    parameters)."""
     name, _, params_text = text.partition(":")
     try:
         params = json.loads(params_text) if params_text else {}
@@ -74,8 +77,8 @@ def policy_spec(text: str) -> tuple[str, dict]:
         policy = build_policy(name, params)
     except PolicyConfigError as err:
         raise argparse.ArgumentTypeError(str(err)) from err
-    if not policy.evicts():
-        raise argparse.ArgumentTypeError(f"{name} evicts nothing: it has no eviction to measure")
+    if not policy.evicts() and not isinstance(policy, SelectionPolicy):
+        raise argparse.ArgumentTypeError(f"{name} neither evicts nor selects: nothing to measure")
     return name, params
 
 
@@ -111,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument(
         "--policies", type=policy_list, default=[("lethe", {})],
-        help="';'-separated NAME or NAME:{json}: registered policies that evict",
+        help="';'-separated NAME or NAME:{json}: registered policies that evict or select",
     )  # fmt: skip
     parser.add_argument(
         "--evict-threshold", type=int, default=1024,
@@ -140,7 +143,10 @@ def policy_readers(args, num_layers: int, fingerprint: dict) -> dict[tuple[str, 
             policy = build_policy(name, {**config, **params}).for_model(ctx)
             ratio = getattr(policy, "max_kv_ratio", None)
             budget = budget or (f"{ratio:g}" if ratio is not None else policy.budget())
-            out[label, budget] = ag.decoded_reads(policy, num_layers, args.positions_from)
+            if policy.evicts():
+                out[label, budget] = ag.decoded_reads(policy, num_layers, args.positions_from)
+            else:  # a selection alone, beside one composed over an eviction
+                out[label, policy.budget()] = ag.SelectionReads(policy, num_layers)
     return out
 
 

@@ -90,7 +90,7 @@ def test_at_a_compression_a_press_holds_the_ratio_asked(values):
 
 @pytest.mark.parametrize(
     "text, message",
-    [("tidal", "evicts nothing"), ("lethe:{oops", "not JSON"), ("lethe:[1]", "JSON object"),
+    [("full", "neither evicts nor selects"), ("lethe:{oops", "not JSON"), ("lethe:[1]", "JSON object"),
      ("lethe:{\"max_kv_ratio\": 2}", "max_kv_ratio")],
 )  # fmt: skip
 def test_policies_that_evict_nothing_or_bad_parameters_are_refused(text, message, tmp_path, capsys):
