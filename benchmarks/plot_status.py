@@ -17,6 +17,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_OUT = RESULTS / "status-throughput-vs-vanilla.png"
 METRIC = "e2e_output_tok_s"
 
+MEMORY_BOUND = "e2e-llama8b-nvidia-h200-2026-11-29-memory-bound-composition-128x8192.json"
 # (panel title, [(bar label, row file, policy in that file)]): the newest run of each claim,
 # as benchmarks/RESULTS.md lists them
 PANELS = [
@@ -41,6 +42,15 @@ PANELS = [
             ("lethe,delta\n8k → 1k", "e2e-qwen1.5b-nvidia-h200-2026-11-27-mix-fixed-pool-long-prompts.json", "lethe/delta"),
         ],
     ),
+    (
+        "H200 · llama8b, 128 × 1,024 → 8,192, default pool",
+        [
+            ("vanilla fa3", MEMORY_BOUND, "vanilla@fa3"),
+            ("tidal", MEMORY_BOUND, "tidal"),
+            ("lethe", MEMORY_BOUND, "lethe"),
+            ("lethe+tidal", MEMORY_BOUND, "lethe+tidal"),
+        ],
+    ),
 ]
 
 
@@ -63,7 +73,7 @@ def main(argv: list[str] | None = None) -> Path:
 
     widths = [len(bars) for _, bars in PANELS]
     fig, axes = plt.subplots(
-        1, len(PANELS), figsize=(13, 4.6), gridspec_kw={"width_ratios": widths}, sharey=True
+        1, len(PANELS), figsize=(16, 4.6), gridspec_kw={"width_ratios": widths}, sharey=True
     )
     for ax, (title, bars) in zip(axes, PANELS):
         values, dates = zip(*(ratio(file, policy) for _, file, policy in bars))
@@ -77,10 +87,11 @@ def main(argv: list[str] | None = None) -> Path:
         span = min(dates) if min(dates) == max(dates) else f"{min(dates)} to {max(dates)}"
         ax.set_title(f"{title}\n(measured {span})", fontsize=10)
     axes[0].set_ylabel("output tokens/s ÷ fastest vanilla backend")
-    axes[0].set_ylim(0, 2.2)
+    axes[0].set_ylim(0, 2.4)
     fig.suptitle(
         "sglang_ext: end-to-end throughput against vanilla SGLang 0.5.17 "
-        "(qwen1.5b shape, dummy weights; each bar against the vanilla of its own run)",
+        "(dummy weights, qwen1.5b shape unless a panel names another; each bar against the "
+        "vanilla of its own run)",
         fontsize=11,
     )
     fig.tight_layout()
