@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from .kv_view import KVView
-from .sparse_decode import selected_units
 from .split_kv_decode import SplitKVWorkspace, attend_positions_ref, split_kv_decode
 
 _BLOCK_J = 128  # retained entries per block of the scoring and gathering programs
@@ -128,10 +127,11 @@ def _accumulate_selected_kernel(
     offs_s = tl.arange(0, SPAN)
     written = count * 0
     for start in range(0, num, BLOCK_UNITS):
-        first, valid = selected_units(
-            Selected + batch * stride_selected, start, num, count, SPAN, BLOCK_UNITS
-        )  # fmt: skip
-        # where the gathered table holds each entry: the logits' index
+        offs_u = start + tl.arange(0, BLOCK_UNITS)
+        unit = tl.load(Selected + batch * stride_selected + offs_u, mask=offs_u < num, other=0)
+        first = unit * SPAN
+        # a unit's entries below the count, packed after the units before it (as gathered)
+        valid = tl.where(offs_u < num, tl.minimum(tl.maximum(count - first, 0), SPAN), 0)
         at = (written + tl.cumsum(valid, 0) - valid)[:, None] + offs_s[None, :]
         keep = offs_s[None, :] < valid[:, None]
         received = tl.zeros([BLOCK_UNITS, SPAN], dtype=tl.float32)

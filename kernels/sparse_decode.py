@@ -36,18 +36,6 @@ _GATHER_UNITS = 1024  # selected tokens per block of the gathering program
 
 
 @triton.jit
-def selected_units(Selected, start, num, limit, SPAN: tl.constexpr, BLOCK_UNITS: tl.constexpr):
-    """Units ``start`` .. ``start + BLOCK_UNITS`` of a request's selection (``Selected``: its
-    row): each unit's first entry and how many of its ``SPAN`` entries lie below ``limit`` (0
-    past ``num``). A table gathered from a selection packs each unit's entries after the units
-    before it, in this order (``gather_selected_slots``)."""
-    offs_u = start + tl.arange(0, BLOCK_UNITS)
-    first = tl.load(Selected + offs_u, mask=offs_u < num, other=0) * SPAN
-    valid = tl.where(offs_u < num, tl.minimum(tl.maximum(limit - first, 0), SPAN), 0)
-    return first, valid
-
-
-@triton.jit
 def _gather_selected_kernel(
     ReqToToken,
     ReqPoolIdx,
@@ -69,9 +57,11 @@ def _gather_selected_kernel(
     offs_s = tl.arange(0, SPAN)
     written = seq_len * 0
     for start in range(0, num, BLOCK_UNITS):
-        first, valid = selected_units(
-            Selected + batch * stride_selected, start, num, seq_len, SPAN, BLOCK_UNITS
-        )  # fmt: skip
+        offs_u = start + tl.arange(0, BLOCK_UNITS)
+        unit = tl.load(Selected + batch * stride_selected + offs_u, mask=offs_u < num, other=0)
+        first = unit * SPAN
+        # the tokens of a unit below seq_len, packed after the units before it
+        valid = tl.where(offs_u < num, tl.minimum(tl.maximum(seq_len - first, 0), SPAN), 0)
         at = written + tl.cumsum(valid, 0) - valid
         keep = offs_s[None, :] < valid[:, None]
         slot = tl.load(req_row + first[:, None] + offs_s[None, :], mask=keep, other=0)
