@@ -15,11 +15,15 @@ def test_rows_name_each_policys_budget_from_its_config():
     assert harness.policy_budget("delta", None) == "64 pages"
     assert harness.policy_budget("tidal", '{"budget_tokens": 64}') == "64 tokens"
     assert harness.policy_budget("delta+art", None) == "64 pages"  # ART reads within DELTA's
-    assert harness.policy_budget("lethe", None) == "max_kv_ratio 0.3, evict_threshold 1024, one set"
-    per_layer = harness.policy_budget("lethe", '{"per_layer": true, "round_interval": 64}')
-    assert per_layer == "max_kv_ratio 0.3, evict_threshold 1024, round_interval 64 (per-layer memory)"
+    lethe = harness.policy_budget("lethe", None)
+    assert lethe == (
+        "max_kv_ratio 0.3, evict_threshold 1024, round_interval 64, shared_ratio 0.5 "
+        "(per-layer memory)"
+    )
+    one_set = harness.policy_budget("lethe", '{"per_layer": false}')
+    assert one_set == "max_kv_ratio 0.3, evict_threshold 1024, one set"
     union = harness.policy_budget("lethe", '{"sparse_ratio": 10.0, "pack_layers": false}')
-    assert union.endswith("sparse_ratio 10.0 (freed by the union)")
+    assert union.endswith("sparse_ratio 10.0, shared_ratio 0.5 (freed by the union)")
     assert harness.policy_budget("full", None) == ""
     assert harness.policy_budget("vanilla@fa3", None) == ""
 

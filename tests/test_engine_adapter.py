@@ -53,15 +53,16 @@ def test_without_a_policy_sglang_runs_exactly_as_it_ships():
 
 
 def test_lethe_hooks_every_target_and_serves_through_our_backends():
-    # per-layer lists: per-layer memory, so the KV pool's layers are allocated as one buffer too
-    seen = inspect_process("lethe", {"per_layer": True})
+    # per-layer lists (the default): per-layer memory, so the KV pool's layers are allocated as
+    # one buffer too
+    seen = inspect_process("lethe")
     assert seen["registered"] == sorted(targets.ALL)
     # functions are wrapped; the admission class is replaced by our subclass
     assert seen["wrapped"] == sorted(set(targets.ALL) - {targets.PREFILL_ADDER})
     assert seen["ours"] == [targets.PREFILL_ADDER]
     assert set(seen["backends"].values()) == {"sglang_ext.engine.backends"}
-    # one retained set (the default): SGLang's pool allocates its layers as it ships
-    one_set = inspect_process("lethe")
+    # one retained set: SGLang's pool allocates its layers as it ships
+    one_set = inspect_process("lethe", {"per_layer": False})
     assert one_set["registered"] == sorted(set(targets.ALL) - {targets.KV_POOL_BUFFERS})
 
 

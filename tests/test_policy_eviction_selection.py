@@ -13,6 +13,7 @@ from sglang_ext.policies.lethe.runtime import LetheRuntime, _Extending
 from sglang_ext.policies.runtime import StepRequest
 
 EVICTION = {"max_kv_ratio": 0.3, "evict_threshold": 8, "decay": 0.95}
+ONE_SET = {**EVICTION, "per_layer": False}  # Lethe alone as a selection composed over it reads
 LAYERS = {"full_layers": [0], "selection_layers": [1]}  # then two sparse layers
 
 
@@ -52,7 +53,7 @@ def test_a_selection_that_covers_the_retained_set_decodes_as_the_eviction_alone(
     budget = {"tidal": {"budget_tokens": 512}, "delta": {"budget_pages": 32}}[selection]
     layers = {"tidal": LAYERS, "delta": {"full_layers": [0], "delta_layers": [1]}}[selection]
     alone_cache, composed_cache = Cache(seq_lens=(300, 40, 17)), Cache(seq_lens=(300, 40, 17))
-    alone = LetheRuntime(build_policy("lethe", EVICTION), alone_cache.context())
+    alone = LetheRuntime(build_policy("lethe", ONE_SET), alone_cache.context())
     composed_policy = build_policy(
         f"lethe+{selection}", {**EVICTION, selection: {**budget, **layers}}
     )
@@ -135,6 +136,6 @@ def test_a_composition_reports_as_one_policy_and_admits_as_its_eviction():
     assert described["tidal"]["budget_tokens"] == 64 and described["max_kv_ratio"] == 0.2
     params = {k: v for k, v in described.items() if k != "name"}
     assert build_policy(described["name"], params) == policy  # how the engine rebuilds it
-    alone = build_policy("lethe", {"max_kv_ratio": 0.2})
+    alone = build_policy("lethe", {"max_kv_ratio": 0.2, "per_layer": False})
     assert policy.request_state_bytes(30, 9, 4096) == alone.request_state_bytes(30, 9, 4096)
     assert policy.attended_tokens(8192, 30) < alone.attended_tokens(8192, 30)

@@ -12,7 +12,7 @@ from sglang_ext.policies.lethe import Lethe
     "field,value",
     [("evict_threshold", 0), ("sparse_ratio", 1.0), ("sparse_ratio", float("inf")),
      ("recent_ratio", 1.0), ("recent_ratio", -0.1), ("sink_tokens", -1), ("segments", 1),
-     ("decay", 0.0), ("decay", 1.5), ("round_interval", 0)],
+     ("decay", 0.0), ("decay", 1.5), ("round_interval", -1), ("shared_ratio", 1.5)],
 )  # fmt: skip
 def test_out_of_range_parameters_name_the_field(field, value):
     with pytest.raises(PolicyConfigError) as error:
@@ -20,15 +20,20 @@ def test_out_of_range_parameters_name_the_field(field, value):
     assert error.value.field == f"lethe.{field}"
 
 
-def test_defaults_keep_one_set_on_the_threshold_and_per_layer_lists_are_asked_for():
+def test_defaults_are_per_layer_lists_with_a_core_and_one_set_under_a_selection():
     policy = build_policy("lethe")
-    assert not policy.per_layer_lists() and policy.sparse_ratio is None  # one set, no breakpoints
-    assert (policy.recent_ratio, policy.decay, policy.round_interval) == (0.3, 1.0, None)
-    assert build_policy("lethe", {"per_layer": True}).per_layer_lists()
-    # the paper's breakpoints are per layer: asking for them brings per-layer lists
-    assert build_policy("lethe", {"sparse_ratio": 400}).per_layer_lists()
+    assert policy.per_layer_lists() and policy.sparse_ratio is None  # no breakpoints
+    assert (policy.recent(), policy.decay, policy.interval(), policy.core()) == (0.5, 1.0, 64, 0.5)
+    one = policy.one_set()  # what a selection composed over it reads
+    assert not one.per_layer_lists() and (one.recent(), one.interval(), one.core()) == (0.3, None, 0)
+    # a parameter set holds in either layout; round_interval 0 asks for the threshold cadence
+    assert build_policy("lethe", {"recent_ratio": 0.2}).one_set().recent() == 0.2
+    assert build_policy("lethe", {"round_interval": 0}).interval() is None
+    assert build_policy("lethe", {"per_layer": False, "round_interval": 32}).interval() == 32
     with pytest.raises(PolicyConfigError, match="per_layer"):
         build_policy("lethe", {"per_layer": False, "sparse_ratio": 400})
+    with pytest.raises(PolicyConfigError, match="per_layer"):
+        build_policy("lethe", {"shared_ratio": 0.25}).one_set()  # a core needs per-layer lists
 
 
 def test_without_a_sparse_ratio_no_layer_finds_a_breakpoint_and_only_the_cap_evicts():
@@ -70,7 +75,7 @@ def test_flat_scores_have_no_breakpoint_and_keep_everything():
 
 
 def test_threshold_follows_algorithm_1_and_never_refires_at_once():
-    policy = Lethe(evict_threshold=100, recent_ratio=0.3, max_kv_ratio=1.0, round_interval=None)
+    policy = Lethe(evict_threshold=100, recent_ratio=0.3, max_kv_ratio=1.0, round_interval=0)
     paper = Lethe(sparse_ratio=400.0)
     found = paper.shrink_layer(torch.arange(4), torch.tensor([1.0, 1e-5, 1e-5, 1e-5]))
     none = paper.shrink_layer(torch.arange(4), torch.ones(4))
@@ -81,7 +86,7 @@ def test_threshold_follows_algorithm_1_and_never_refires_at_once():
 
 
 def test_threshold_under_a_kv_budget_stops_doubling_where_expected_kv_is():
-    policy = Lethe(evict_threshold=1024, recent_ratio=0.3, max_kv_ratio=0.3, round_interval=None)
+    policy = Lethe(evict_threshold=1024, recent_ratio=0.3, max_kv_ratio=0.3, round_interval=0)
     none = Lethe().shrink_layer(torch.arange(4), torch.ones(4))  # flat: no breakpoint
     # Algorithm 1 alone doubles 1024 to 2048, then 4096 to 8192
     assert policy.next_threshold(1024, [none.salient_plus_recent], retained=308, length=1025) == 1024
@@ -192,7 +197,7 @@ def test_a_shared_core_keeps_what_one_layer_ranks_first_in_every_layer():
     scores[0, 1, 5:30] = 0.5  # layer 1 spreads its attention over many tokens
     keep = torch.ones(1, layers, length, dtype=torch.bool)
     flat = [t.flatten(0, 1) for t in (positions, scores, keep)]
-    alone = Lethe(per_layer=True, max_kv_ratio=0.3, sink_tokens=2)
+    alone = Lethe(per_layer=True, max_kv_ratio=0.3, sink_tokens=2, shared_ratio=0.0)
     assert alone.shared_entries(positions, scores, keep, [length]) is None
     assert not alone.cap_layers(*flat, [length] * layers)[1, 17]
     with_core = Lethe(per_layer=True, max_kv_ratio=0.3, sink_tokens=2, shared_ratio=0.5)
@@ -201,7 +206,7 @@ def test_a_shared_core_keeps_what_one_layer_ranks_first_in_every_layer():
     capped = with_core.cap_layers(*flat, [length] * layers, shared.flatten(0, 1))
     assert capped[1, 17] and int(capped[1].sum()) == with_core.round_cap(length)
     with pytest.raises(PolicyConfigError, match="shared_ratio"):
-        Lethe(shared_ratio=0.5)  # one retained set: every layer keeps the core already
+        Lethe(per_layer=False, shared_ratio=0.5)  # one set: every layer keeps the core already
 
 
 def test_a_step_attends_to_all_until_the_threshold_then_to_what_a_round_leaves():
@@ -218,7 +223,7 @@ def test_an_evicting_servers_request_slots_are_sized_by_memory_not_a_fixed_cap()
     # lists keep each entry's K/V row beside its position and score, one set a slot table
     per_slot = build_policy("lethe", {"per_layer": True}).request_state_bytes(32, 32, 10240)
     assert per_slot == 10240 * (32 * 12 + 32 * 4)
-    one_set = build_policy("lethe").request_state_bytes(32, 32, 10240)
+    one_set = build_policy("lethe", {"per_layer": False}).request_state_bytes(32, 32, 10240)
     assert one_set == 10240 * (32 * 8 + 4 + 32 * 4)
     pool = 110 * 2**30
     slots = state_slots(per_slot, pool, pool, sglang_slots=4096, requested=None)
@@ -231,5 +236,5 @@ def test_an_evicting_servers_request_slots_are_sized_by_memory_not_a_fixed_cap()
     assert state_slots(per_slot, pool, pool, sglang_slots=4096, requested=8) == 8
     # a mix pays for each evicting member's runtime; selection keeps no per-slot state
     mix = build_policy("lethe,snapkv,delta")
-    assert mix.request_state_bytes(32, 32, 10240) == one_set + per_slot
+    assert mix.request_state_bytes(32, 32, 10240) == 2 * per_slot
     assert build_policy("delta").request_state_bytes(32, 32, 10240) == 0

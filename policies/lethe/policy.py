@@ -9,11 +9,14 @@ every layer: sort the layer's scores, cut them into ``segments``, and find the b
 salient tokens before it, the ``sink_tokens`` first tokens and the most recent ``recent_ratio`` of
 the layer's retained tokens.
 
-Defaults (RESULTS.md#eviction-fidelity): one retained set for every layer, Algorithm 1's
-threshold cadence, scores accumulated without decay. Per-layer lists (``per_layer``) with half the
-cap recent and a round every 64 tokens (``round_interval``) keep next-token agreement on natural
-text closer to full attention, but lose needles the one set keeps (``sglang_ext.eval``'s lookups);
-answers decide the default. ``sparse_ratio`` set adds the paper's breakpoints, per layer.
+Defaults (RESULTS.md#eviction-fidelity), scores accumulated without decay in both layouts:
+- served alone: a list per layer, half its cap recent, a round every 64 decoded tokens, and half
+  the rest of each layer's cap a shared core (the tokens the one retained set would rank first);
+  on SmolLM2 closer to full attention on text than one set, and more lookups answered;
+- under a selection (``lethe+tidal``), which reads one retained set: one set for every layer,
+  0.3 of it recent, on Algorithm 1's threshold cadence.
+``recent_ratio``, ``round_interval`` and ``shared_ratio`` left unset take their layout's value.
+``sparse_ratio`` set adds the paper's breakpoints, per layer.
 
 Memory: a round caps the request's KV at ``max_kv_ratio`` of its tokens; 1.0 turns the cap off
 and leaves the paper's rule alone. Without per-layer lists the cap cuts the one retained set
@@ -242,25 +245,28 @@ class Lethe(EvictionPolicy):
 
     evict_threshold: int = 1024  # initial L_evict: retained tokens that trigger the first round
     # each layer keeps its own list, cut by its own scores; False: one retained set for all layers;
-    # None: per-layer lists exactly where sparse_ratio asks for per-layer breakpoints
+    # None: per-layer lists, but one set under a selection composed over it (``one_set``)
     per_layer: bool | None = None
     # tau: a score drop by more than this marks a layer's breakpoint; None: no breakpoints
     sparse_ratio: float | None = None
-    recent_ratio: float = 0.3  # fraction of a layer's retained tokens kept as the recent window
+    # fraction of a layer's retained tokens kept as the recent window; None: the layout's
+    recent_ratio: float | None = None
     sink_tokens: int = 4  # the first tokens, always kept
     segments: int = 10  # D: cut points of the sorted scores
     decay: float = 1.0  # gamma of RASR (the paper's 0.95 kept the model further from full)
     max_kv_ratio: float = 0.3  # a round leaves at most this fraction of a request's tokens' KV
-    # decoded tokens between rounds once a round has run; None: the next round comes when the
-    # retained KV outgrows the cap by a recent window (or Algorithm 1's threshold)
+    # decoded tokens between rounds once a round has run; 0: the next round comes when the
+    # retained KV outgrows the cap by a recent window (or Algorithm 1's threshold); None: the
+    # layout's
     round_interval: int | None = None
     # with per-layer lists: memory is the sum of the layers' lists, packed into shared slots
     # (sglang_ext.policies.lethe.layer_memory); False: a slot is freed once no layer keeps its token (the union)
     pack_layers: bool = True
     # with per-layer lists: the fraction of each layer's cap, beside its sinks and recent window,
     # that keeps the request's shared core (the tokens the one retained set would rank first,
-    # by the best share any layer gives them) ahead of the layer's own choice; 0: none
-    shared_ratio: float = 0.0
+    # by the best share any layer gives them) ahead of the layer's own choice; 0: none; None: the
+    # layout's
+    shared_ratio: float | None = None
     observation_window: int = 32  # the last prompt tokens whose attention seeds the scores
     observation_pool: int = 9  # odd: a seeded score is the best of the token and its neighbours
 
@@ -272,7 +278,7 @@ class Lethe(EvictionPolicy):
             self._error("sparse_ratio", f"must be a finite number > 1 or null, got {ratio}")
         if ratio is not None and self.per_layer is False:
             self._error("sparse_ratio", "breakpoints need per-layer lists (per_layer true)")
-        if not 0 <= self.recent_ratio < 1:
+        if not 0 <= self.recent() < 1:
             self._error("recent_ratio", f"must be in [0, 1), got {self.recent_ratio}")
         if self.sink_tokens < 0:
             self._error("sink_tokens", f"must be >= 0, got {self.sink_tokens}")
@@ -290,20 +296,40 @@ class Lethe(EvictionPolicy):
             )
         if not 0 < self.max_kv_ratio <= 1:
             self._error("max_kv_ratio", f"must be in (0, 1], got {self.max_kv_ratio}")
-        if self.round_interval is not None and self.round_interval < 1:
-            self._error("round_interval", f"must be >= 1 or null, got {self.round_interval}")
-        if not 0 <= self.shared_ratio <= 1:
+        if self.round_interval is not None and self.round_interval < 0:
+            self._error("round_interval", f"must be >= 0 or null, got {self.round_interval}")
+        if not 0 <= self.core() <= 1:
             self._error("shared_ratio", f"must be in [0, 1], got {self.shared_ratio}")
-        if self.shared_ratio > 0 and not self.per_layer_lists():
+        if self.core() > 0 and not self.per_layer_lists():
             self._error("shared_ratio", "a shared core needs per-layer lists (per_layer true)")
 
     def per_layer_lists(self) -> bool:
-        return self.per_layer if self.per_layer is not None else self.sparse_ratio is not None
+        return self.per_layer is not False
 
     def one_set(self) -> Lethe:
         if self.per_layer is None and self.sparse_ratio is None:  # left to Lethe: one set
-            return dataclasses.replace(self, per_layer=False, shared_ratio=0.0)
+            return dataclasses.replace(self, per_layer=False)
         return super().one_set()
+
+    # the layout's values of the parameters left unset (the module's docstring)
+    def recent(self) -> float:
+        """The recent window's share of a layer's retained tokens."""
+        if self.recent_ratio is not None:
+            return self.recent_ratio
+        return 0.5 if self.per_layer_lists() else 0.3
+
+    def interval(self) -> int | None:
+        """Decoded tokens between rounds; None: rounds on the retained KV's threshold."""
+        interval = self.round_interval
+        if interval is None:
+            interval = 64 if self.per_layer_lists() else 0
+        return interval or None
+
+    def core(self) -> float:
+        """The shared core's share of each layer's cap beside its sinks and recent window."""
+        if self.shared_ratio is not None:
+            return self.shared_ratio
+        return 0.5 if self.per_layer_lists() else 0.0
 
     def seed_window(self) -> int:
         return self.observation_window
@@ -315,12 +341,12 @@ class Lethe(EvictionPolicy):
         return self.evict_threshold
 
     def shared_entries(self, positions, scores, keep, lengths):
-        if self.shared_ratio == 0:
+        if self.core() == 0:
             return None
         device, width = scores.device, max(lengths)
         best = _best_share(positions, scores, keep, width)
         cap, recent = self._caps(lengths, device)
-        room = ((cap - recent - self.sink_tokens).clamp_min(0) * self.shared_ratio).long()
+        room = ((cap - recent - self.sink_tokens).clamp_min(0) * self.core()).long()
         length = torch.tensor(lengths, device=device)[:, None]
         column = torch.arange(width, device=device)
         forced = (column < self.sink_tokens) | (column >= length - recent)  # kept anyway
@@ -334,17 +360,17 @@ class Lethe(EvictionPolicy):
 
     def budget(self) -> str:
         caps = f"max_kv_ratio {self.max_kv_ratio}, evict_threshold {self.evict_threshold}"
-        if self.round_interval is not None:
-            caps += f", round_interval {self.round_interval}"
+        if self.interval() is not None:
+            caps += f", round_interval {self.interval()}"
         if not self.per_layer_lists():
             return f"{caps}, one set"
         memory = "per-layer memory" if self.pack_layers else "freed by the union"
         breakpoints = "" if self.sparse_ratio is None else f", sparse_ratio {self.sparse_ratio}"
-        core = f", shared_ratio {self.shared_ratio}" if self.shared_ratio else ""
+        core = f", shared_ratio {self.core()}" if self.core() else ""
         return f"{caps}{breakpoints}{core} ({memory})"
 
     def recent_window(self, retained: int) -> int:
-        return math.ceil(self.recent_ratio * retained)
+        return math.ceil(self.recent() * retained)
 
     def shrink_layer(self, positions: torch.Tensor, scores: torch.Tensor) -> LayerShrink:
         """Algorithm 1 on one layer's retained entries (logical positions ascending, scores)."""
@@ -446,9 +472,9 @@ class Lethe(EvictionPolicy):
         capped where ``expected_kv`` says the request may grow to, so that the scheduler's count
         holds: flat attention (no breakpoint) would otherwise double it round after round. Never
         below what the round left plus a recent window, so that rounds do not fire at once.
-        With ``round_interval``: the next round after that many decoded tokens."""
-        if self.round_interval is not None:
-            return retained + self.round_interval - 1
+        With a round interval: the next round after that many decoded tokens."""
+        if self.interval() is not None:
+            return retained + self.interval() - 1
         found = [b for b in breakpoints if b is not None]
         threshold = max([threshold, *found]) if found else 2 * threshold
         if self.max_kv_ratio < 1:
@@ -457,7 +483,7 @@ class Lethe(EvictionPolicy):
 
     def _budget_trigger(self, length: int) -> int:
         cap = self.round_cap(length)
-        growth = self.recent_window(cap) if self.round_interval is None else self.round_interval
+        growth = self.recent_window(cap) if self.interval() is None else self.interval()
         return max(self.evict_threshold, cap + growth)
 
 
