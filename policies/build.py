@@ -10,7 +10,7 @@ from typing import Any
 
 from sglang_ext.policies.base import KVPolicy, PolicyConfigError
 from sglang_ext.policies.mix import build_mix
-from sglang_ext.policies.registry import policy_class
+from sglang_ext.policies.registry import policy_class, policy_names
 
 
 def build_policy(name: str, params: Mapping[str, Any] | None = None) -> KVPolicy:
@@ -33,3 +33,16 @@ def build_policy(name: str, params: Mapping[str, Any] | None = None) -> KVPolicy
                 raise PolicyConfigError(f"{name}.{key}", f"policy {name!r} takes no parameters")
             raise PolicyConfigError(f"{name}.{key}", "unknown parameter", known)
     return cls(**params)
+
+
+def composition_names() -> list[str]:
+    """Every ``BASE+TOP`` of two registered policies that builds at their defaults."""
+    names = []
+    for base in policy_names():
+        for top in policy_names():
+            try:
+                build_policy(f"{base}+{top}")
+            except PolicyConfigError:
+                continue
+            names.append(f"{base}+{top}")
+    return names

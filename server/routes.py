@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from sglang_ext.policies import KVPolicy, policy_names
-from sglang_ext.policies.art import Art, ArtOver
+from sglang_ext.policies.build import composition_names
 
 
 def policy_info(policy: KVPolicy) -> dict[str, Any]:
@@ -21,7 +21,7 @@ def policy_info(policy: KVPolicy) -> dict[str, Any]:
             "parameters": list(policy.request_params), "full": policy.request_opt_out,
             "policies": {name: list(p.request_params) if p else [] for name, p in choices.items()},
         },  # fmt: skip
-        "available": [*policy_names(), *(f"{base}+{Art.name}" for base in ArtOver.COMPOSABLE)],
+        "available": [*policy_names(), *composition_names()],
     }
 
 

@@ -78,6 +78,7 @@ def test_a_composed_request_may_opt_out_to_full_attention(server):
     info = requests.get(f"{server.url}/policy", timeout=30).json()
     assert list(info["per_request"]["policies"]) == MIX.split(",")
     assert info["policy"]["lethe+tidal"]["tidal"]["budget_tokens"] == 1024
+    assert {"lethe+tidal", "lethe+delta"} <= set(info["available"])
     full = requests.post(f"{server.url}/generate", json=body, timeout=300).json()
     assert full["meta_info"]["kv_evicted_tokens"][-1] == 0
     assert_pool_exact(server)

@@ -12,6 +12,7 @@ from sglang_ext.policies import (
     policy_names,
     registry,
 )
+from sglang_ext.policies.build import composition_names
 from sglang_ext.policies.context import DecodeInputs, DecodeProgram
 
 
@@ -39,6 +40,13 @@ def test_full_is_registered_and_takes_no_parameters():
         build_policy("full", {"budget": 1})
     assert err.value.field == "full.budget"
     assert "takes no parameters" in str(err.value)
+
+
+def test_the_compositions_served_are_those_that_build():
+    names = composition_names()
+    assert {"lethe+tidal", "lethe+delta", "delta+art", "tidal+art", "full+art"} <= set(names)
+    # a selection over per-layer lists, one the wrong way round, a selection over a selection
+    assert not {"snapkv+tidal", "tidal+lethe", "delta+tidal"} & set(names)
 
 
 def test_unknown_policy_names_the_valid_choices():
