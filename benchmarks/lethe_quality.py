@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{BENCH}", description=__doc__)
     parser.add_argument(
         "--sparse-ratios", type=_ratio_list, default=[100.0, 400.0],
-        help="comma-separated; 'none' is one retained set for every layer (Lethe's default)",
+        help="comma-separated; 'none' is one retained set for every layer (per_layer false)",
     )
     parser.add_argument("--recent-ratios", type=_float_list, default=[0.1, 0.3])
     parser.add_argument(
@@ -98,13 +98,19 @@ def _ratio_list(text: str) -> list[float | None]:
 
 
 def grid(args) -> list[LetheRun]:
-    base = {"max_kv_ratio": args.max_kv_ratio, "evict_threshold": args.evict_threshold}
+    # the paper's rule: rounds on Algorithm 1's threshold, no shared core
+    base = {
+        "max_kv_ratio": args.max_kv_ratio, "evict_threshold": args.evict_threshold,
+        "round_interval": 0, "shared_ratio": 0.0,
+    }  # fmt: skip
     runs = [LetheRun(None)]
     for s in args.sparse_ratios:
         packs = args.pack_layers if s is not None else [True]  # one set: nothing to pack
         for r in args.recent_ratios:
             for pack in packs:
                 extra = {} if pack else {"pack_layers": False}
+                if s is None:  # Lethe's default lists are per layer
+                    extra["per_layer"] = False
                 runs.append(LetheRun({**base, "sparse_ratio": s, "recent_ratio": r, **extra}))
     return runs
 

@@ -9,10 +9,11 @@ attends over a table of KV rows (``shared_retained_decode``): the split-KV kerne
 the logits into probabilities, sums them over heads and updates the scores in place. Lengths stay
 on the device and grids depend on shapes only, so decode keeps its CUDA graph.
 
-The table: when every layer keeps the same list of logical positions (Lethe without per-layer
-lists, its default), their KV slots are gathered once per step (``gather_retained_slots``) and
-every layer attends over them; under per-layer memory each layer's list holds its entries' global
-rows of the pool's one buffer (``policies.lethe.layer_memory``) and is the table itself.
+The table: when every layer keeps the same list of logical positions (one retained set: Lethe
+with ``per_layer`` false, or under a selection), their KV slots are gathered once per step
+(``gather_retained_slots``) and every layer attends over them; under per-layer memory each
+layer's list holds its entries' global rows of the pool's one buffer
+(``policies.lethe.layer_memory``) and is the table itself.
 
 Under a selection composed over the eviction (``policies.eviction_selection``), a sparse layer
 attends only to its selection among the retained entries; ``accumulate_selected`` then decays

@@ -7,8 +7,9 @@ State, per SGLang request slot (a row of ``req_to_token``) and per layer, on the
 ``positions`` (the retained logical positions, ascending), ``count`` and ``scores`` (RASR). A
 prefill resets a row to every position it holds; each decode step appends the new token to every
 layer's list (once per step, ``prepare_decode``); a layer's decode attention reads only its list
-(``kernels.rasr``). Without per-layer lists (the default) every layer's list is the same, so on
-CUDA the step gathers its KV slots once and every layer attends over that table. With per-layer
+(``kernels.rasr``). Without per-layer lists (``per_layer`` false, or under a selection composed
+over Lethe) every layer's list is the same, so on CUDA the step gathers its KV slots once and
+every layer attends over that table. With per-layer
 lists, memory is per layer (``layer_memory``): every entry also holds its K/V row (``layer_rows``,
 a global row of the pool's one buffer), rounds pack a request's kept entries into as few slots as
 hold them, and a layer attends over its entries' rows.
