@@ -27,7 +27,8 @@ def policy_info(policy: KVPolicy) -> dict[str, Any]:
 
 def install(app, policy: KVPolicy) -> None:
     """Add the routes to SGLang's HTTP app (sglang.srt.entrypoints.http_server.app)."""
+    info = policy_info(policy)  # fixed for the server's life: built once, not per request
 
     @app.get("/policy")
     async def get_policy() -> dict[str, Any]:
-        return policy_info(policy)
+        return info
