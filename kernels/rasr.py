@@ -31,6 +31,9 @@ _BLOCK_J = 128  # retained entries per block of the scoring and gathering progra
 # context-wide rows would leave thousands idle per layer. 16 rather than 8 keeps the SMs busy in
 # a policy mix too, whose other members' rows leave about half the programs idle.
 _PROGRAMS_PER_ENTRY = 16
+# Selected entries per program of ``accumulate_selected``: with every head's logits loaded at
+# once, a program holds heads x this many probabilities.
+_SELECTED_BLOCK = 128
 
 
 @triton.jit
@@ -98,7 +101,19 @@ def _gather_slots_kernel(
 
 
 @triton.jit
-def _accumulate_selected_kernel(
+def _decay_kernel(EntryCount, Rows, Scores, gamma, stride_sc_row, BLOCK_J: tl.constexpr):
+    batch = tl.program_id(0).to(tl.int64)
+    row_scores = Scores + tl.load(Rows + batch).to(tl.int64) * stride_sc_row
+    count = tl.load(EntryCount + batch)
+    stride = tl.num_programs(1) * BLOCK_J
+    for start in range(tl.program_id(1) * BLOCK_J, count, stride):
+        offs_j = start + tl.arange(0, BLOCK_J)
+        old = tl.load(row_scores + offs_j, mask=offs_j < count, other=0.0)
+        tl.store(row_scores + offs_j, gamma * old, mask=offs_j < count)
+
+
+@triton.jit
+def _add_selected_kernel(
     Logits,
     Lse,
     Selected,
@@ -106,46 +121,49 @@ def _accumulate_selected_kernel(
     EntryCount,
     Rows,
     Scores,
-    gamma,
     stride_lg_b,
     stride_lg_h,
     stride_selected,
     stride_sc_row,
     NUM_Q_HEADS: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
     SPAN: tl.constexpr,
     BLOCK_UNITS: tl.constexpr,
-    BLOCK_J: tl.constexpr,
 ):
+    # One program per block of a request's selected units: they hold distinct entries, so the
+    # programs never write the same score.
     batch = tl.program_id(0).to(tl.int64)
-    row_scores = Scores + tl.load(Rows + batch).to(tl.int64) * stride_sc_row
-    count = tl.load(EntryCount + batch)
-    for start in range(0, count, BLOCK_J):  # every entry decays; the selected then receive
-        offs_j = start + tl.arange(0, BLOCK_J)
-        old = tl.load(row_scores + offs_j, mask=offs_j < count, other=0.0)
-        tl.store(row_scores + offs_j, gamma * old, mask=offs_j < count)
-    tl.debug_barrier()
+    start = tl.program_id(1) * BLOCK_UNITS
     num = tl.load(NumSelected + batch)
-    offs_s = tl.arange(0, SPAN)
-    written = count * 0
-    for start in range(0, num, BLOCK_UNITS):
-        offs_u = start + tl.arange(0, BLOCK_UNITS)
-        unit = tl.load(Selected + batch * stride_selected + offs_u, mask=offs_u < num, other=0)
-        first = unit * SPAN
+    if start < num:
+        count = tl.load(EntryCount + batch)
+        units = Selected + batch * stride_selected
         # a unit's entries below the count, packed after the units before it (as gathered)
+        written = count * 0
+        for before in range(0, start, BLOCK_UNITS):
+            offs_b = before + tl.arange(0, BLOCK_UNITS)
+            unit = tl.load(units + offs_b, mask=offs_b < num, other=0)
+            span = tl.minimum(tl.maximum(count - unit * SPAN, 0), SPAN)
+            written += tl.sum(tl.where(offs_b < num, span, 0), 0)
+        offs_u = start + tl.arange(0, BLOCK_UNITS)
+        unit = tl.load(units + offs_u, mask=offs_u < num, other=0)
+        first = unit * SPAN
         valid = tl.where(offs_u < num, tl.minimum(tl.maximum(count - first, 0), SPAN), 0)
+        offs_s = tl.arange(0, SPAN)
         at = (written + tl.cumsum(valid, 0) - valid)[:, None] + offs_s[None, :]
         keep = offs_s[None, :] < valid[:, None]
-        received = tl.zeros([BLOCK_UNITS, SPAN], dtype=tl.float32)
-        for h in tl.static_range(NUM_Q_HEADS):
-            lse = tl.load(Lse + batch * NUM_Q_HEADS + h)
-            logit = tl.load(
-                Logits + batch * stride_lg_b + h * stride_lg_h + at, mask=keep, other=float("-inf")
-            )
-            received += tl.exp(logit - lse)
-        entry = first[:, None] + offs_s[None, :]
-        old = tl.load(row_scores + entry, mask=keep, other=0.0)
-        tl.store(row_scores + entry, old + received, mask=keep)
-        written += tl.sum(valid, 0)
+        offs_h = tl.arange(0, BLOCK_HQ)
+        mask_h = offs_h < NUM_Q_HEADS
+        lse = tl.load(Lse + batch * NUM_Q_HEADS + offs_h, mask=mask_h, other=0.0)
+        logits = tl.load(
+            Logits + batch * stride_lg_b + offs_h[:, None, None] * stride_lg_h + at[None, :, :],
+            mask=mask_h[:, None, None] & keep[None, :, :],
+            other=float("-inf"),
+        )
+        received = tl.sum(tl.exp(logits - lse[:, None, None]), 0)
+        entry = Scores + tl.load(Rows + batch).to(tl.int64) * stride_sc_row + first[:, None]
+        entry += offs_s[None, :]
+        tl.store(entry, tl.load(entry, mask=keep, other=0.0) + received, mask=keep)
 
 
 def accumulate(logits, lse, entry_count, rows, scores, gamma) -> None:
@@ -168,11 +186,16 @@ def accumulate_selected(
     probability it received, summed over heads: exp(logits[b, h, i] - lse[b, h]) with i its
     index in the selection's gathered table (``gather_selected_slots``'s order)."""
     batch, num_q_heads = lse.shape
-    _accumulate_selected_kernel[(batch,)](
-        logits, lse, selected, num_selected, entry_count, rows, scores, gamma,
+    if gamma != 1:  # a pass of its own: the adding programs each see only their block
+        _decay_kernel[(batch, _PROGRAMS_PER_ENTRY)](
+            entry_count, rows, scores, gamma, scores.stride(0), BLOCK_J=_BLOCK_J
+        )
+    block_units = max(1, _SELECTED_BLOCK // page_size)
+    _add_selected_kernel[(batch, triton.cdiv(selected.shape[1], block_units))](
+        logits, lse, selected, num_selected, entry_count, rows, scores,
         logits.stride(0), logits.stride(1), selected.stride(0), scores.stride(0),
-        NUM_Q_HEADS=num_q_heads, SPAN=page_size, BLOCK_UNITS=max(1, 256 // page_size),
-        BLOCK_J=1024,
+        NUM_Q_HEADS=num_q_heads, BLOCK_HQ=triton.next_power_of_2(num_q_heads), SPAN=page_size,
+        BLOCK_UNITS=block_units,
     )  # fmt: skip
 
 

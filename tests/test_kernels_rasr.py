@@ -6,6 +6,7 @@ Without CUDA the kernel runs under Triton's interpreter on CPU tensors (conftest
 import pytest
 import torch
 from kernel_cases import DEVICE, OUT_TOL, make_batch
+from sglang_ext.kernels import rasr
 from sglang_ext.kernels.rasr import (
     accumulate_selected, gather_retained_slots, gather_retained_slots_ref, pool_neighbours,
     retained_decode_ref, selected_decode_ref, shared_retained_decode, shared_retained_decode_ref,
@@ -167,11 +168,18 @@ def test_one_list_for_every_layer_gathered_once_matches_the_reference(dtype):
         assert torch.equal(scores[row], before[row]), row
 
 
+@pytest.mark.parametrize("gamma", [0.5, 1.0])
+@pytest.mark.parametrize("block", [128, 2])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_a_selection_of_the_retained_entries_scores_as_its_reference(page_size):
+def test_a_selection_of_the_retained_entries_scores_as_its_reference(
+    page_size, block, gamma, monkeypatch
+):
     """A sparse layer under eviction: attention over the selected entries (gathered as a
     SlotTable), every entry's score decayed and the selected ones' probabilities added; the last
-    unit runs past a request's entries, and entry 1 plays CUDA-graph padding (no entries)."""
+    unit runs past a request's entries, and entry 1 plays CUDA-graph padding (no entries). A
+    small block spreads a request's units over programs, each finding where its block's entries
+    were gathered; gamma 1 skips the decay."""
+    monkeypatch.setattr(rasr, "_SELECTED_BLOCK", block)
     dtype = torch.float16
     batch, sm_scale = make_batch(dtype, seq_lens=SEQ_LENS, max_context=MAX_CONTEXT)
     kv = batch["kv"]
@@ -194,20 +202,20 @@ def test_a_selection_of_the_retained_entries_scores_as_its_reference(page_size):
     logits = torch.full((size, batch["q"].shape[1], MAX_CONTEXT), float("nan"), device=DEVICE)
     out, lse = slot_table.attend_with_lse(batch["q"], retained, sm_scale, logits=logits)
     accumulate_selected(
-        logits, lse, selected[:3], num_selected[:3], page_size, entries, state_rows, scores, 0.5
+        logits, lse, selected[:3], num_selected[:3], page_size, entries, state_rows, scores, gamma
     )  # fmt: skip
     out_ref = selected_decode_ref(
         batch["q"], retained, selected, num_selected, page_size, scores_ref, state_rows,
-        sm_scale, 0.5,
+        sm_scale, gamma,
     )  # fmt: skip
     torch.testing.assert_close(out[[0, 2]], out_ref[[0, 2]], **OUT_TOL[dtype])
     torch.testing.assert_close(scores, scores_ref, atol=1e-4, rtol=1e-4)
     heads = batch["q"].shape[1]
     for b, row in ((0, 2), (2, 0)):
         n = int(entries[b])
-        # each head's probabilities sum to 1 over the selection; every old score halves
+        # each head's probabilities sum to 1 over the selection; every old score decays
         assert scores[row, :n].sum().item() == pytest.approx(
-            heads + 0.5 * before[row, :n].sum().item(), rel=1e-3
+            heads + gamma * before[row, :n].sum().item(), rel=1e-3
         )
         assert torch.equal(scores[row, n:], before[row, n:])  # past its entries: untouched
     for row in (1, 3, size + 1):
