@@ -1,7 +1,8 @@
 """The real SGLang engine on CPU with SmolLM2 serving eviction under selection (``lethe+tidal``,
-``lethe+delta``) beside Lethe alone, in one mix: with a selection budget that covers what Lethe
-keeps, a composed request gives Lethe's greedy tokens; with a small one its sparse layers read a
-part of it; the rounds free slots and SGLang's strict KV checks stay silent."""
+``lethe+delta``, ``snapkv+tidal``) beside Lethe alone, in one mix: with a selection budget that
+covers what Lethe keeps, a composed request gives Lethe's greedy tokens; with a small one its
+sparse layers read a part of it; a public scorer composes as Lethe does; the rounds free slots
+and SGLang's strict KV checks stay silent."""
 
 import re
 
@@ -16,19 +17,21 @@ pytestmark = pytest.mark.engine
 # the sinks): the eviction alone and under a selection keep the same tokens, whichever layers
 # score them.
 EVICTION = {"evict_threshold": 128, "max_kv_ratio": 0.5, "recent_ratio": 0.99}
-MIX = "lethe,lethe+tidal,lethe+delta,full"
+MIX = "lethe,lethe+tidal,lethe+delta,snapkv+tidal,full"
 CONFIG = {
     "lethe": EVICTION,
     "lethe+tidal": {**EVICTION, "tidal": {"budget_tokens": 1024}},  # more than Lethe keeps
     "lethe+delta": {**EVICTION, "delta": {"budget_pages": 2, "recent_pages": 1}},  # 32 tokens
-}
+    "snapkv+tidal": {"compression_ratio": 0.5, "compression_interval": 32,
+                     "tidal": {"budget_tokens": 64}},
+}  # fmt: skip
 PROMPTS = [
     f"Ledger {k}. " + " ".join(f"Fact {i}: the {color} box holds {i * k} marbles." for i, color in
                                enumerate(["red", "blue", "green", "yellow", "white"] * 5))
     + f" Question {k}: how many marbles does the green box of fact 2 hold? Answer:"
     for k in (3, 5)
 ]  # fmt: skip
-ROUND = re.compile(r"lethe\+(tidal|delta) round \d+ of (\w+): (\d+) positions, freed (\d+) slots")
+ROUND = re.compile(r"(\w+)\+(tidal|delta) round \d+ of (\w+): (\d+) positions, freed (\d+) slots")
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +58,7 @@ def _generate(server, names, max_new_tokens=48):
 
 
 def test_eviction_under_selection_reads_only_what_the_eviction_keeps(server):
-    out = _generate(server, ["lethe", "lethe+tidal", "lethe+delta"])
+    out = _generate(server, ["lethe", "lethe+tidal", "lethe+delta", "snapkv+tidal"])
     alone, tidal, delta = out["lethe"], out["lethe+tidal"], out["lethe+delta"]
     for lethe, composed in zip(alone, tidal, strict=True):
         assert composed["output_ids"] == lethe["output_ids"]  # its selection covers Lethe's set
@@ -66,8 +69,15 @@ def test_eviction_under_selection_reads_only_what_the_eviction_keeps(server):
         meta = composed["meta_info"]
         assert meta["kv_evicted_tokens"][-1] > 0
         assert meta["kv_attended_tokens"][-1] < meta["kv_retained_tokens"][-1]
+    for composed in out["snapkv+tidal"]:  # 64 of the half of the prompt SnapKV keeps
+        meta = composed["meta_info"]
+        assert meta["kv_policy"][-1] == "snapkv+tidal"
+        assert meta["kv_evicted_tokens"][-1] > 0
+        assert meta["kv_attended_tokens"][-1] < meta["kv_retained_tokens"][-1]
     rounds = ROUND.findall(server.log())
-    assert {kind for kind, *_ in rounds} == {"tidal", "delta"}
+    assert {(base, top) for base, top, *_ in rounds} == {
+        ("lethe", "tidal"), ("lethe", "delta"), ("snapkv", "tidal")
+    }
     assert all(int(freed) > 0 for *_, freed in rounds)
     assert_pool_exact(server)
 
@@ -78,7 +88,7 @@ def test_a_composed_request_may_opt_out_to_full_attention(server):
     info = requests.get(f"{server.url}/policy", timeout=30).json()
     assert list(info["per_request"]["policies"]) == MIX.split(",")
     assert info["policy"]["lethe+tidal"]["tidal"]["budget_tokens"] == 1024
-    assert {"lethe+tidal", "lethe+delta"} <= set(info["available"])
+    assert {"lethe+tidal", "lethe+delta", "snapkv+tidal"} <= set(info["available"])
     full = requests.post(f"{server.url}/generate", json=body, timeout=300).json()
     assert full["meta_info"]["kv_evicted_tokens"][-1] == 0
     assert_pool_exact(server)

@@ -44,9 +44,14 @@ def test_full_is_registered_and_takes_no_parameters():
 
 def test_the_compositions_served_are_those_that_build():
     names = composition_names()
-    assert {"lethe+tidal", "lethe+delta", "delta+art", "tidal+art", "full+art"} <= set(names)
-    # a selection over per-layer lists, one the wrong way round, a selection over a selection
-    assert not {"snapkv+tidal", "tidal+lethe", "delta+tidal"} & set(names)
+    composed = {"lethe+tidal", "lethe+delta", "snapkv+tidal", "tova+delta", "h2o+tidal"}
+    assert composed | {"delta+art", "tidal+art", "full+art"} <= set(names)
+    # one the wrong way round, a selection over a selection
+    assert not {"tidal+lethe", "delta+tidal"} & set(names)
+    for name in ("lethe", "snapkv"):  # a selection over per-layer lists
+        with pytest.raises(PolicyConfigError) as err:
+            build_policy(f"{name}+tidal", {"per_layer": True})
+        assert err.value.field == f"{name}.per_layer"
 
 
 def test_unknown_policy_names_the_valid_choices():

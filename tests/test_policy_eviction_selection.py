@@ -1,6 +1,6 @@
-"""``EVICTION+SELECTION`` (``lethe+tidal``, ``lethe+delta``) on small CPU tensors: the selection
-reads only what the eviction keeps, and every layer keeps the eviction's scores from what it
-attended (the engine runs are in test_engine_composition)."""
+"""``EVICTION+SELECTION`` (``lethe+tidal``, ``lethe+delta``, ``snapkv+tidal``) on small CPU
+tensors: the selection reads only what the eviction keeps, and every layer keeps the eviction's
+scores from what it attended (the engine runs are in test_engine_composition)."""
 
 from types import SimpleNamespace
 
@@ -14,6 +14,7 @@ from sglang_ext.policies.runtime import StepRequest
 
 EVICTION = {"max_kv_ratio": 0.3, "evict_threshold": 8, "decay": 0.95}
 ONE_SET = {**EVICTION, "per_layer": False}  # Lethe alone as a selection composed over it reads
+SCORER = {"compression_ratio": 0.7, "compression_interval": 8}
 LAYERS = {"full_layers": [0], "selection_layers": [1]}  # then two sparse layers
 
 
@@ -48,15 +49,22 @@ def _decode_all(runtime, cache):
     ]
 
 
+@pytest.mark.parametrize(
+    "eviction, params", [("lethe", EVICTION), ("snapkv", SCORER), ("h2o", SCORER)]
+)
 @pytest.mark.parametrize("selection", ["tidal", "delta"])
-def test_a_selection_that_covers_the_retained_set_decodes_as_the_eviction_alone(selection):
+def test_a_selection_that_covers_the_retained_set_decodes_as_the_eviction_alone(
+    selection, eviction, params
+):
     budget = {"tidal": {"budget_tokens": 512}, "delta": {"budget_pages": 32}}[selection]
     layers = {"tidal": LAYERS, "delta": {"full_layers": [0], "delta_layers": [1]}}[selection]
     alone_cache, composed_cache = Cache(seq_lens=(300, 40, 17)), Cache(seq_lens=(300, 40, 17))
-    alone = LetheRuntime(build_policy("lethe", ONE_SET), alone_cache.context())
+    one_set = build_policy(eviction, {**params, "per_layer": False})
+    alone = LetheRuntime(one_set, alone_cache.context())
     composed_policy = build_policy(
-        f"lethe+{selection}", {**EVICTION, selection: {**budget, **layers}}
+        f"{eviction}+{selection}", {**params, selection: {**budget, **layers}}
     )
+    assert composed_policy.eviction == one_set
     composed = composed_policy.runtime(composed_cache.context())
     _after_a_round(alone, alone_cache)
     request = _after_a_round(composed, composed_cache)

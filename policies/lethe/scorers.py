@@ -7,7 +7,9 @@ keeps ``1 - compression_ratio`` of the tokens a request has seen, the first at t
 decode step (its prompt, from the prefill's seeded scores: kvpress's prefill compression), then
 every ``compression_interval`` decoded tokens. Selection is per layer (each layer keeps its own
 top entries by its own scores, ``EvictionPolicy.cap_layers``), its entries packed into shared
-slots (``layer_memory``), as Lethe does with ``per_layer`` true. Unlike kvpress, scores are summed
+slots (``layer_memory``), as Lethe does with ``per_layer`` true; under a selection composed over
+it (``snapkv+tidal``), or with ``per_layer`` false, one retained set for every layer, ranked by the
+best share any layer gives a token (``cap_union_layers``). Unlike kvpress, scores are summed
 over a layer's query heads (kvpress keeps top-k per KV head as well as per layer), and there are
 no sink tokens (kvpress's defaults).
 
@@ -47,6 +49,9 @@ class DecodeScorer(EvictionPolicy):
 
     compression_ratio: float = 0.5
     compression_interval: int = 512
+    # each layer keeps its own list; False: one retained set for all layers; None: per-layer
+    # lists, but one set under a selection composed over it (``one_set``)
+    per_layer: bool | None = None
 
     def validate(self) -> None:
         if not 0 <= self.compression_ratio < 1:
@@ -55,6 +60,14 @@ class DecodeScorer(EvictionPolicy):
             self._error(
                 "compression_interval", f"must be >= 1, got {self.compression_interval}"
             )
+
+    def per_layer_lists(self) -> bool:
+        return self.per_layer is not False
+
+    def one_set(self) -> DecodeScorer:
+        if self.per_layer is None:
+            return dataclasses.replace(self, per_layer=False)
+        return super().one_set()
 
     def first_threshold(self) -> int:
         return 0  # the first decode step: the prompt is compressed
@@ -70,9 +83,10 @@ class DecodeScorer(EvictionPolicy):
         return min(total_tokens, self.round_cap(total_tokens) + self.compression_interval)
 
     def budget(self) -> str:
+        layout = "" if self.per_layer_lists() else ", one set"
         return (
             f"compression_ratio {self.compression_ratio}, "
-            f"compression_interval {self.compression_interval}"
+            f"compression_interval {self.compression_interval}{layout}"
         )
 
 
