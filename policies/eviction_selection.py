@@ -13,8 +13,8 @@ selection is one the layer would have paid little. Scored by the full and select
 selection layer runs the eviction's attention, which gives its output and its scores, and the
 selection's scoring attention over the same entries.
 
-The eviction keeps one retained set for every layer: gathered into one slot table per step, it is
-what each layer reads (per-layer lists are not composed).
+The eviction keeps one retained set for every layer (its ``one_set``): gathered into one slot
+table per step, it is what each layer reads (per-layer lists are not composed).
 """
 
 from __future__ import annotations
