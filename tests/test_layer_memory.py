@@ -224,3 +224,22 @@ def test_the_state_the_engine_pays_for_per_request_slot_is_what_the_runtime_allo
     paid = runtime.request_slot_bytes(runtime.policy, cache.num_layers, heads, width)
     assert allocated <= rows * paid
     assert allocated >= 0.9 * (rows - 1) * paid  # the bound is not loose either
+
+
+@pytest.mark.parametrize("rounds_before", [0, 1])
+def test_the_shared_core_holds_at_a_requests_first_round_only(rounds_before):
+    """Layer 0 alone reads position 17 (a needle) and layer 1 spreads its attention: at a
+    request's first round layer 1 keeps the needle too (the shared core); at a later one it cuts
+    by its own scores and drops it."""
+    cache = Cache(num_layers=2, seq_lens=(120, 12), device=DEVICE)
+    runtime = runtime_for(cache, per_layer=True, shared_ratio=0.5, max_kv_ratio=0.3)
+    request = step(cache, runtime, 0)
+    request.state.rounds = rounds_before
+    row, length = request.row, request.seq_len - 1
+    runtime.scores[:, row, :length] = 1e-3
+    runtime.scores[0, row, 17] = 1.0
+    runtime.scores[1, row, 20:75] = 0.5
+    runtime.prune([request], [length], Pool().ops())
+    kept = [set(positions.tolist()) for positions, _ in entries(runtime, row)]
+    assert 17 in kept[0]
+    assert (17 in kept[1]) == (rounds_before == 0)

@@ -186,10 +186,10 @@ def test_each_layer_is_capped_alone_by_its_own_scores_with_sink_and_recent_kept(
     assert torch.equal(capped[2], keep[2])
 
 
-def test_a_shared_core_keeps_what_one_layer_ranks_first_in_every_layer():
-    """Per-layer lists with ``shared_ratio``: a token that only layer 0 attends to (a needle a
-    retrieval layer reads) stays in layer 1 too, taking room from layer 1's own choice; without
-    the core layer 1 drops it."""
+def test_a_shared_core_keeps_what_one_layer_ranks_first_in_every_layer_at_the_first_round():
+    """Per-layer lists with ``shared_ratio``: at a request's first round a token that only layer 0
+    attends to (a needle a retrieval layer reads) stays in layer 1 too, taking room from layer
+    1's own choice; without the core, or at a later round, layer 1 drops it."""
     length, layers = 40, 2
     positions = torch.arange(length).repeat(1, layers, 1)
     scores = torch.full((1, layers, length), 1e-3)
@@ -198,13 +198,18 @@ def test_a_shared_core_keeps_what_one_layer_ranks_first_in_every_layer():
     keep = torch.ones(1, layers, length, dtype=torch.bool)
     flat = [t.flatten(0, 1) for t in (positions, scores, keep)]
     alone = Lethe(per_layer=True, max_kv_ratio=0.3, sink_tokens=2, shared_ratio=0.0)
-    assert alone.shared_entries(positions, scores, keep, [length]) is None
+    assert alone.shared_entries(positions, scores, keep, [length], [True]) is None
     assert not alone.cap_layers(*flat, [length] * layers)[1, 17]
     with_core = Lethe(per_layer=True, max_kv_ratio=0.3, sink_tokens=2, shared_ratio=0.5)
-    shared = with_core.shared_entries(positions, scores, keep, [length])
+    shared = with_core.shared_entries(positions, scores, keep, [length], [True])
     assert shared[0, 0, 17] and shared[0, 1, 17]
     capped = with_core.cap_layers(*flat, [length] * layers, shared.flatten(0, 1))
     assert capped[1, 17] and int(capped[1].sum()) == with_core.round_cap(length)
+    # only at a request's first round: later ones cut each layer by its own scores
+    assert with_core.shared_entries(positions, scores, keep, [length], [False]) is None
+    two = [t.expand(2, -1, -1) for t in (positions, scores, keep)]
+    later, first = with_core.shared_entries(*two, [length] * 2, [False, True])
+    assert not later.any() and torch.equal(first, shared[0])
     with pytest.raises(PolicyConfigError, match="shared_ratio"):
         Lethe(per_layer=False, shared_ratio=0.5)  # one set: every layer keeps the core already
 

@@ -10,9 +10,10 @@ salient tokens before it, the ``sink_tokens`` first tokens and the most recent `
 the layer's retained tokens.
 
 Defaults (RESULTS.md#eviction-fidelity), scores accumulated without decay in both layouts:
-- served alone: a list per layer, half its cap recent, a round every 64 decoded tokens, and half
-  the rest of each layer's cap a shared core (the tokens the one retained set would rank first);
-  on SmolLM2 closer to full attention on text than one set, and more lookups answered;
+- served alone: a list per layer, half its cap recent, a round every 64 decoded tokens, and at a
+  request's first round (its prompt compressed) half the rest of each layer's cap a shared core
+  (the tokens the one retained set would rank first); on SmolLM2 closer to full attention on
+  text than one set or kvpress's SnapKV at equal KV, and more lookups answered than without;
 - under a selection (``lethe+tidal``), which reads one retained set: one set for every layer,
   0.3 of it recent, on Algorithm 1's threshold cadence.
 ``recent_ratio``, ``round_interval`` and ``shared_ratio`` left unset take their layout's value.
@@ -191,11 +192,12 @@ class EvictionPolicy(KVPolicy):
         return torch.where(union.sum(1, keepdim=True) <= cap, union, capped)
 
     def shared_entries(
-        self, positions: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor, lengths: list[int]
-    ) -> torch.Tensor | None:
+        self, positions: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor, lengths: list[int],
+        first: list[bool],
+    ) -> torch.Tensor | None:  # fmt: skip
         """Per-layer lists: the entries ([requests, layers, n] bool, as ``positions``) that every
         layer keeping them keeps ahead of its own choice, the request's shared core; None: none
-        (each layer cuts by its own scores alone)."""
+        (each layer cuts by its own scores alone). ``first[i]``: request i's first round."""
         return None
 
     def cap_layers(
@@ -262,10 +264,10 @@ class Lethe(EvictionPolicy):
     # with per-layer lists: memory is the sum of the layers' lists, packed into shared slots
     # (sglang_ext.policies.lethe.layer_memory); False: a slot is freed once no layer keeps its token (the union)
     pack_layers: bool = True
-    # with per-layer lists: the fraction of each layer's cap, beside its sinks and recent window,
-    # that keeps the request's shared core (the tokens the one retained set would rank first,
-    # by the best share any layer gives them) ahead of the layer's own choice; 0: none; None: the
-    # layout's
+    # with per-layer lists, at a request's first round: the fraction of each layer's cap, beside
+    # its sinks and recent window, that keeps the request's shared core (the tokens the one
+    # retained set would rank first, by the best share any layer gives them) ahead of the layer's
+    # own choice; 0: none; None: the layout's
     shared_ratio: float | None = None
     observation_window: int = 32  # the last prompt tokens whose attention seeds the scores
     observation_pool: int = 9  # odd: a seeded score is the best of the token and its neighbours
@@ -340,8 +342,11 @@ class Lethe(EvictionPolicy):
     def first_threshold(self) -> int:
         return self.evict_threshold
 
-    def shared_entries(self, positions, scores, keep, lengths):
-        if self.core() == 0:
+    def shared_entries(self, positions, scores, keep, lengths, first):
+        # At a request's first round only (its prompt compressed, ranked by seeds from the
+        # prompt's last queries): a later round that forced the core cut what each layer had
+        # since shown it reads (RESULTS.md#eviction-fidelity).
+        if self.core() == 0 or not any(first):
             return None
         device, width = scores.device, max(lengths)
         best = _best_share(positions, scores, keep, width)
@@ -355,6 +360,7 @@ class Lethe(EvictionPolicy):
         )
         chosen = (column < room) & torch.isfinite(ranked)
         core = torch.zeros_like(chosen).scatter_(1, order, chosen)
+        core &= torch.tensor(first, device=device)[:, None]
         at = positions.long().clamp(max=width - 1).flatten(1)
         return keep & core.gather(1, at).view_as(keep)
 

@@ -518,7 +518,8 @@ class LetheRuntime(PolicyRuntime):
         own, ranks = batch.policy, self.ctx.ranks
         layers = keep.shape[1]
         row_lengths = [length for length in batch.lengths for _ in range(layers)]
-        shared = own.shared_entries(positions, scores, keep, batch.lengths)
+        first = [request.state.rounds == 0 for request in batch.requests]
+        shared = own.shared_entries(positions, scores, keep, batch.lengths, first)
         flat = (t.flatten(0, 1) for t in (positions, scores, keep))
         shared = None if shared is None else shared.flatten(0, 1)
         stays = own.cap_layers(*flat, row_lengths, shared).view_as(keep)
