@@ -22,7 +22,7 @@ from sglang_ext.policies.art import Art, ArtOver
      ("lethe+tidal", {"sparse_ratio": 10.0}, "lethe.per_layer"),
      ("lethe+tidal", {"tidal": {"correction_interval": 8}}, "lethe+tidal.tidal.correction_interval"),
      ("lethe+tidal", {"tidal": 3}, "lethe+tidal.tidal"), ("delta+tidal", {}, "policy"),
-     ("tidal+lethe", {}, "policy"), ("snapkv+tidal", {}, "snapkv.per_layer"),
+     ("tidal+lethe", {}, "policy"), ("snapkv+tidal", {"per_layer": True}, "snapkv.per_layer"),
      ("lethe+tidal", {"tidal": {"budget_tokens": 0}}, "tidal.budget_tokens")],
 )  # fmt: skip
 def test_bad_parameters_name_the_field(name, params, field):
