@@ -79,12 +79,16 @@ class EvictionPolicy(KVPolicy):
 
     request_opt_out = True
 
+    # each layer keeps its own list, cut by its own scores; False: one retained set for all layers;
+    # None: per-layer lists, but one set under a selection composed over it (``one_set``)
+    per_layer: bool | None = None
+
     def evicts(self) -> bool:
         return True
 
     def per_layer_lists(self) -> bool:
         """Whether layers may keep different lists (else every layer keeps the request's set)."""
-        return True
+        return self.per_layer is not False
 
     def pools_layer_rows(self) -> bool:
         return self.per_layer_lists()
@@ -92,6 +96,8 @@ class EvictionPolicy(KVPolicy):
     def one_set(self) -> EvictionPolicy:
         """This rule keeping one retained set for every layer, for a selection composed over it
         (``policies.eviction_selection``); PolicyConfigError where its lists are per layer."""
+        if self.per_layer is None:  # left to the rule: one set under a selection
+            return dataclasses.replace(self, per_layer=False)
         if self.per_layer_lists():
             self._error("per_layer", "a selection composed over it reads one retained set: its "
                         "lists are per layer")  # fmt: skip
@@ -246,9 +252,6 @@ class Lethe(EvictionPolicy):
     )  # fmt: skip
 
     evict_threshold: int = 1024  # initial L_evict: retained tokens that trigger the first round
-    # each layer keeps its own list, cut by its own scores; False: one retained set for all layers;
-    # None: per-layer lists, but one set under a selection composed over it (``one_set``)
-    per_layer: bool | None = None
     # tau: a score drop by more than this marks a layer's breakpoint; None: no breakpoints
     sparse_ratio: float | None = None
     # fraction of a layer's retained tokens kept as the recent window; None: the layout's
@@ -305,12 +308,10 @@ class Lethe(EvictionPolicy):
         if self.core() > 0 and not self.per_layer_lists():
             self._error("shared_ratio", "a shared core needs per-layer lists (per_layer true)")
 
-    def per_layer_lists(self) -> bool:
-        return self.per_layer is not False
-
     def one_set(self) -> Lethe:
-        if self.per_layer is None and self.sparse_ratio is None:  # left to Lethe: one set
-            return dataclasses.replace(self, per_layer=False)
+        if self.sparse_ratio is not None:  # the paper's breakpoints: lists per layer
+            self._error("per_layer", "a selection composed over it reads one retained set: "
+                        "sparse_ratio keeps a list per layer")  # fmt: skip
         return super().one_set()
 
     # the layout's values of the parameters left unset (the module's docstring)

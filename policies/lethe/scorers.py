@@ -49,9 +49,6 @@ class DecodeScorer(EvictionPolicy):
 
     compression_ratio: float = 0.5
     compression_interval: int = 512
-    # each layer keeps its own list; False: one retained set for all layers; None: per-layer
-    # lists, but one set under a selection composed over it (``one_set``)
-    per_layer: bool | None = None
 
     def validate(self) -> None:
         if not 0 <= self.compression_ratio < 1:
@@ -60,14 +57,6 @@ class DecodeScorer(EvictionPolicy):
             self._error(
                 "compression_interval", f"must be >= 1, got {self.compression_interval}"
             )
-
-    def per_layer_lists(self) -> bool:
-        return self.per_layer is not False
-
-    def one_set(self) -> DecodeScorer:
-        if self.per_layer is None:
-            return dataclasses.replace(self, per_layer=False)
-        return super().one_set()
 
     def first_threshold(self) -> int:
         return 0  # the first decode step: the prompt is compressed
