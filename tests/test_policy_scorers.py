@@ -69,16 +69,22 @@ def step_request(runtime, row, seq_len, state=None):
                        protected_len=0)  # fmt: skip
 
 
-def expected_keep(name, scores, cap, window=16, kernel=5):
+def ranked_by(name, scores, window=16, kernel=5):
+    """What the rule ranks one layer's ``scores`` [n] (every position listed) by."""
+    if name != "snapkv":
+        return scores
+    before = torch.where(torch.arange(scores.numel()) < scores.numel() - window, scores, 0.0)
+    return torch.nn.functional.avg_pool1d(before[None, None], kernel, 1, kernel // 2)[0, 0]
+
+
+def expected_keep(name, scores, cap, window=16):
     """What the rule keeps of one layer's ``scores`` [n] (every position listed) under ``cap``."""
     n = scores.numel()
     if name == "snapkv":
         recent = min(window, cap)
-        before = torch.where(torch.arange(n) < n - window, scores, 0.0)
-        ranked = torch.nn.functional.avg_pool1d(before[None, None], kernel, 1, kernel // 2)[0, 0]
     else:  # tova: the last token; h2o: a recent half
         recent = min(1, cap) if name == "tova" else cap // 2
-        ranked = scores
+    ranked = ranked_by(name, scores, window)
     keep = set(range(n - recent, n))
     others = [int(i) for i in torch.argsort(ranked, descending=True) if int(i) < n - recent]
     return keep | set(others[: cap - recent])
@@ -104,7 +110,14 @@ def test_a_round_keeps_what_the_rule_says_per_layer_and_frees_the_rest(name):
         n = int(runtime.count[layer, row])
         kept = runtime.positions[layer, row, :n].long()
         assert set(kept.tolist()) == expected_keep(name, scores[layer], cap), layer
-        assert n == cap and torch.all(kept[1:] > kept[:-1])  # the cap; ascending, no repeats
+        assert n == cap and len(set(kept.tolist())) == n  # the cap, no repeats
+        if name == "snapkv":  # kvpress's order after its top-k: the window, then the best first
+            window = list(range(length - 16, length))
+            ranked = ranked_by(name, scores[layer])
+            rest = sorted(set(kept.tolist()) - set(window), key=lambda p: -float(ranked[p]))
+            assert kept.tolist() == window + rest
+        else:  # by ascending position, as they were
+            assert torch.all(kept[1:] > kept[:-1])
         # every kept entry still reads its own layer's K of its position, wherever it was packed
         pooled = runtime.pooled.keys[runtime.layer_rows[layer, row, :n].long()]
         torch.testing.assert_close(pooled, keys[layer][slots[kept].long()])
@@ -238,3 +251,33 @@ def test_expected_kv_and_attended_tokens_follow_the_cap_and_the_interval():
     assert policy.round_cap(1000) == 250 and policy.expected_kv(10_000) == 2500 + 64
     assert policy.expected_kv(80) == 80 and policy.attended_tokens(1000, 30) == 250.0
     assert policy.budget() == "compression_ratio 0.75, compression_interval 64"
+
+
+@pytest.mark.parametrize("name,recent", [("snapkv", 16), ("h2o", 10)])
+def test_the_recent_window_is_the_latest_positions_in_any_list_order(name, recent):
+    """A list after a rank-ordered round is not by position: the cap still keeps the latest."""
+    policy = build_policy(name, {"compression_ratio": 0.8, "window_size": 16}
+                          if name == "snapkv" else {"compression_ratio": 0.8})  # fmt: skip
+    gen = torch.Generator().manual_seed(5)
+    positions = torch.randperm(100, generator=gen)[None]
+    scores = torch.rand(1, 100, generator=gen)
+    keep = torch.ones(1, 100, dtype=torch.bool)
+
+    stays = policy.cap_layers(positions, scores, keep, [100])
+
+    cap = policy.round_cap(100)
+    latest = positions >= 100 - recent
+    assert int(stays.sum()) == cap and bool(stays[latest].all())
+    others = torch.where(latest, float("-inf"), scores)
+    best = torch.topk(others, cap - recent).indices
+    assert bool(stays[0, best[0]].all())
+
+
+def test_one_retained_set_keeps_its_lists_by_position():
+    """Every layer of one set reads the same list (one slot table): snapkv's rank order is for
+    per-layer lists only."""
+    policy = build_policy("snapkv", {"per_layer": False})
+    stays = torch.tensor([[[True, False, True, True], [True, False, True, True]]])
+    ranked = torch.tensor([[[0.1, 0.9, 0.5, 0.3], [0.7, 0.2, 0.1, 0.4]]])
+    order = policy.list_order(stays, ranked, [[4, 4]])
+    assert order[0, :, :3].tolist() == [[0, 2, 3], [0, 2, 3]]

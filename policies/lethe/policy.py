@@ -131,8 +131,18 @@ class EvictionPolicy(KVPolicy):
 
     def round_scores(self, scores: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
         """What a round ranks entries by, from their scores [requests, layers, n] (request i's
-        layer l holds its first ``counts[i][l]`` entries, by ascending position)."""
+        layer l holds its first ``counts[i][l]`` entries, in ``list_order``, then the tokens
+        decoded since its last round)."""
         return scores
+
+    def list_order(
+        self, stays: torch.Tensor, ranked: torch.Tensor, counts: list[list[int]]
+    ) -> torch.Tensor:
+        """The order of each layer's list after a round ([requests, layers, n] indices into it,
+        from which entries stay and what the round ranked them by, ``counts`` as in
+        ``round_scores``): the kept entries first, here in the order they held (by ascending
+        position); the tokens decoded later are appended."""
+        return torch.sort((~stays).to(torch.int8), dim=2, stable=True).indices
 
     # the rule: rounds ----------------------------------------------------------------------------
     def first_threshold(self) -> int:
@@ -210,23 +220,19 @@ class EvictionPolicy(KVPolicy):
         self, positions: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor, lengths: list[int],
         shared: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """What ``shrink_layers`` kept ([rows, n] each, a row a layer of a request, its entries by
-        ascending position), each row cut to ``round_cap(lengths[row])`` entries where it kept
+        """What ``shrink_layers`` kept ([rows, n] each, a row a layer of a request, its entries in
+        ``list_order``), each row cut to ``round_cap(lengths[row])`` entries where it kept
         more: its sink tokens, its most recent entries and its ``shared`` ones first, then by its
         own score. On the device, without a host sync."""
         cap, recent = self._caps(lengths, scores.device)
         kept = keep.sum(1, keepdim=True)
-        from_end = kept - torch.cumsum(keep.long(), 1)  # 0 at a layer's last kept entry
-        forced = keep & ((positions < self.sink_tokens) | (from_end < recent))
+        latest_first = _rank(torch.where(keep, positions, -1))  # 0 at a layer's latest kept entry
+        forced = keep & ((positions < self.sink_tokens) | (latest_first < recent))
         if shared is not None:
             forced |= keep & shared
         room = cap - forced.sum(1, keepdim=True)
         candidates = torch.where(keep & ~forced, scores, float("-inf"))
-        order = torch.argsort(candidates, dim=1, descending=True, stable=True)
-        rank = torch.empty_like(order).scatter_(
-            1, order, torch.arange(order.shape[1], device=order.device).expand_as(order)
-        )
-        chosen = (rank < room) & torch.isfinite(candidates)
+        chosen = (_rank(candidates) < room) & torch.isfinite(candidates)
         return torch.where(kept <= cap, keep, forced | chosen)
 
     def _error(self, field: str, message: str):
@@ -237,6 +243,13 @@ class EvictionPolicy(KVPolicy):
         caps = [self.round_cap(n) for n in lengths]
         recent = [self.recent_window(c) for c in caps]
         return torch.tensor([caps, recent], device=device).view(2, -1, 1).unbind(0)
+
+
+def _rank(values: torch.Tensor) -> torch.Tensor:
+    """Each entry's place in its row ([rows, n]) by descending value, ties by column."""
+    order = torch.argsort(values, dim=1, descending=True, stable=True)
+    column = torch.arange(order.shape[1], device=order.device).expand_as(order)
+    return torch.empty_like(order).scatter_(1, order, column)
 
 
 @register_policy

@@ -4,7 +4,8 @@ It runs any ``EvictionPolicy`` (``policy``: Lethe; ``scorers``: SnapKV, TOVA, H2
 policy, never its type, for the scores' decay and prefill seed, when rounds run and what they keep.
 
 State, per SGLang request slot (a row of ``req_to_token``) and per layer, on the device:
-``positions`` (the retained logical positions, ascending), ``count`` and ``scores`` (RASR). A
+``positions`` (the retained logical positions, in the order the policy's rounds leave them:
+``EvictionPolicy.list_order``), ``count`` and ``scores`` (RASR). A
 prefill resets a row to every position it holds; each decode step appends the new token to every
 layer's list (once per step, ``prepare_decode``); a layer's decode attention reads only its list
 (``kernels.rasr``). Without per-layer lists (``per_layer`` false, or under a selection composed
@@ -443,8 +444,7 @@ class LetheRuntime(PolicyRuntime):
         packs = self.layer_rows is not None and own.pack_layers
         free = self._pack_layers if packs else self._free_union
         outcome = free(batch, positions, combined, keep.view(positions.shape))
-        kept_first = torch.sort((~outcome.stays).to(torch.int8), dim=2, stable=True)
-        order = kept_first.indices
+        order = own.list_order(outcome.stays, combined, counts)
         self.positions[:, rows, :n] = positions.gather(2, order).transpose(0, 1)
         if own.observed_steps() is None:
             self.scores[:, rows, :n] = scores.gather(2, order).transpose(0, 1)

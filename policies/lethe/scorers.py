@@ -116,6 +116,22 @@ class SnapKV(DecodeScorer):
         pooled = torch.nn.functional.avg_pool1d(flat, k, stride=1, padding=k // 2)
         return pooled.view_as(scores)
 
+    def list_order(self, stays, ranked, counts) -> torch.Tensor:
+        """kvpress's order of the cache after a compression, its top-k's: the window first (its
+        score is set above every other), then the kept entries by descending score. The next
+        round's pooling runs over this order, so an entry's score is smoothed with those of the
+        entries it ranked beside: without it kvpress's SnapKV keeps the model as far from full
+        attention as this runtime's did with lists by position (RESULTS.md#eviction-fidelity).
+        One retained set keeps its lists by position: every layer reads the same list, in one
+        order."""
+        if not self.per_layer_lists():
+            return super().list_order(stays, ranked, counts)
+        count = torch.tensor(counts, device=ranked.device)[..., None]
+        column = torch.arange(ranked.shape[-1], device=ranked.device)
+        window = (column >= count - self.window_size) & (column < count)
+        key = torch.where(window, float("-inf"), -ranked)
+        return torch.sort(torch.where(stays, key, float("inf")), dim=2, stable=True).indices
+
 
 @register_policy
 @dataclasses.dataclass(frozen=True)
