@@ -21,6 +21,9 @@ Methods, each at every kv ratio R of --kv-ratios (a row's ``budget``):
   top scores (sglang_ext.tools.kvpress_reads says exactly how its presses are driven).
   ``--kvpress-lists layer`` (or ``both``) also measures each press with one list per layer
   (``kvpress-NAME/layer``: its scores averaged over the layer's KV heads, as on Lethe's runtime).
+  ``--kvpress-order position`` (or ``both``) also measures each with its cache left by position
+  after each compression (``…/position``), not in its top-k's order, which SnapKV's pooling
+  runs over at the next compression.
 - each of --policies (``NAME`` or ``NAME:{json}``, ';'-separated), any registered policy that
   evicts or a selection composed over one (``lethe+tidal``: ``agreement.EvictedSelectionReads``),
   or a selection alone (``tidal``: ``agreement.SelectionReads``, once, at its budget),
@@ -43,6 +46,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import itertools
 import json
 import time
 
@@ -113,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="kvpress's own lists per KV head, one per layer (scores averaged over heads), or both",
     )  # fmt: skip
     parser.add_argument(
+        "--kvpress-order", choices=("topk", "position", "both"), default="topk",
+        help="kvpress's cache after a compression in its top-k's order (its own), by position, "
+        "or both",
+    )  # fmt: skip
+    parser.add_argument(
         "--policies", type=policy_list, default=[("lethe", {})],
         help="';'-separated NAME or NAME:{json}: registered policies that evict or select",
     )  # fmt: skip
@@ -160,16 +169,18 @@ def readers(args, model) -> dict[tuple[str, str], object]:
         from sglang_ext.tools import kvpress_reads as kr
 
         per_layer = {"head": [False], "layer": [True], "both": [False, True]}[args.kvpress_lists]
-        for ratio in args.kv_ratios:
-            for name in args.presses:
-                for one_list in per_layer:
-                    press = kr.make_press(name, args.compression_interval)
-                    reads = kr.KvpressReads(
-                        model, press, ratio, args.positions_from, args.compression_interval,
-                        one_list_per_layer=one_list,
-                    )  # fmt: skip
-                    label = f"kvpress-{name}/layer" if one_list else f"kvpress-{name}"
-                    out[label, reads.budget] = reads
+        by_position = {"topk": [False], "position": [True], "both": [False, True]}
+        variants = itertools.product(per_layer, by_position[args.kvpress_order])
+        for ratio, name, (one_list, positional) in itertools.product(
+            args.kv_ratios, args.presses, list(variants)
+        ):
+            press = kr.make_press(name, args.compression_interval)
+            reads = kr.KvpressReads(
+                model, press, ratio, args.positions_from, args.compression_interval,
+                one_list_per_layer=one_list, by_position=positional,
+            )  # fmt: skip
+            label = f"kvpress-{name}" + "/layer" * one_list + "/position" * positional
+            out[label, reads.budget] = reads
     fingerprint = model_fingerprint(model.config)
     return {**out, **policy_readers(args, model.config.num_hidden_layers, fingerprint)}
 

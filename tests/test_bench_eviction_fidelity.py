@@ -201,3 +201,22 @@ def test_one_list_per_layer_keeps_the_same_entries_in_every_kv_head(passage):
     assert shared.shape == own.shape  # the same count kept
     assert all(torch.equal(head, shared[0]) for head in shared)
     assert not all(torch.equal(head.sort().values, own[0].sort().values) for head in own)
+
+
+@torch.inference_mode()
+def test_by_position_leaves_the_same_entries_in_position_order(passage):
+    """kvpress's cache after a compression is in its top-k's order; ``by_position`` keeps it by
+    position: the first compression keeps the same entries, and they are what differ after."""
+    from sglang_ext.tools import kvpress_reads as kr
+
+    model, text = passage
+    own = reads_of(model, "snapkv")
+    positional = kr.KvpressReads(
+        model, kr.make_press("snapkv", INTERVAL), 0.3, PROMPT, INTERVAL, by_position=True
+    )
+    own.advance(text, PROMPT + 1)  # the prompt compressed, nothing decoded since
+    positional.advance(text, PROMPT + 1)
+    layer = model.config.num_hidden_layers - 1
+    ranked, ordered = own.held(layer), positional.held(layer)
+    assert torch.equal(ranked.sort(1).values, ordered)
+    assert not torch.equal(ranked, ordered)  # top-k's order is not by position

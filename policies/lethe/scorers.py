@@ -15,7 +15,8 @@ no sink tokens (kvpress's defaults).
 
 - ``snapkv``: the attention of the last ``window_size`` queries before a round (decay 1, scores
   zeroed ``window_size`` steps before each round and after it; at the first round, the last
-  ``window_size`` prompt queries), average-pooled over ``kernel_size`` neighbouring entries; the
+  ``window_size`` prompt queries), average-pooled over ``kernel_size`` neighbouring entries of
+  a layer's list, which a round leaves in kvpress's cache order (``SnapKV.list_order``); the
   last ``window_size`` tokens are always kept.
 - ``tova``: the attention of the last query only (decay 0; at the first round, the prompt's last
   query); the last token is always kept (as kvpress's TOVA does).

@@ -85,11 +85,14 @@ class KvpressReads(DecodedReads):
     of the tokens seen, the first ``prompt_len`` tokens the prompt, compressed again every
     ``compression_interval`` decoded tokens. ``one_list_per_layer``: the press's scores averaged
     over a layer's KV heads before the top-k, so that every head keeps the same entries (as the
-    policies on Lethe's runtime do): what per-head lists are worth, measured."""
+    policies on Lethe's runtime do): what per-head lists are worth, measured. ``by_position``:
+    each compression leaves the cache by ascending position instead of in its top-k's order, so
+    the next compression's pooling (SnapKV's) runs over neighbouring positions rather than over
+    entries that ranked alike: what kvpress's cache order is worth, measured."""
 
     def __init__(
         self, model, press, kv_ratio: float, prompt_len: int, compression_interval: int,
-        seed: int = 0, one_list_per_layer: bool = False,
+        seed: int = 0, one_list_per_layer: bool = False, by_position: bool = False,
     ):  # fmt: skip
         from kvpress import CompressionRatioDecodingPress
 
@@ -97,7 +100,7 @@ class KvpressReads(DecodedReads):
             raise ValueError(f"kv_ratio must be in (0, 1], got {kv_ratio}")
         super().__init__(prompt_len)
         self.press, self.seed = press, seed
-        self.one_list_per_layer = one_list_per_layer
+        self.one_list_per_layer, self.by_position = one_list_per_layer, by_position
         self.decoding = CompressionRatioDecodingPress(  # its default hidden_states_buffer_size
             base_press=press, target_compression_ratio=1 - kv_ratio,
             compression_interval=compression_interval,
@@ -177,6 +180,8 @@ class KvpressReads(DecodedReads):
                 hidden = passage.hidden[layer][buffered : last + 1][None]
                 chosen = self._choose(module, ratio, hidden, cache, layer, kwargs)
                 cache = cache.gather(1, chosen)
+                if self.by_position:
+                    cache = cache.sort(1).values
             self._slots[layer] = cache
         self._since = last + 1
 
