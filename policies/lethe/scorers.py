@@ -118,8 +118,8 @@ class SnapKV(DecodeScorer):
         return pooled.view_as(scores)
 
     def list_order(self, stays, ranked, counts) -> torch.Tensor:
-        """kvpress's order of the cache after a compression, its top-k's: the window first (its
-        score is set above every other), then the kept entries by descending score. The next
+        """kvpress's order of the cache after a compression, its top-k's: the window first
+        (kvpress scores it above every other), then the kept entries by descending score. The next
         round's pooling runs over this order, so an entry's score is smoothed with those of the
         entries it ranked beside: without it kvpress's SnapKV keeps the model as far from full
         attention as this runtime's did with lists by position (RESULTS.md#eviction-fidelity).
