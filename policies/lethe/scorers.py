@@ -109,9 +109,7 @@ class SnapKV(DecodeScorer):
         """The window's attention, average-pooled over ``kernel_size`` neighbouring entries of a
         layer's list, its own last ``window_size`` entries (kept anyway) left out, as kvpress pools
         the keys before its window: zeros past either end."""
-        count = torch.tensor(counts, device=scores.device)[..., None]
-        column = torch.arange(scores.shape[-1], device=scores.device)
-        before_window = column < count - self.window_size
+        before_window, _ = self._split_at_window(scores, counts)
         flat = torch.where(before_window, scores, 0.0).flatten(0, 1)[:, None]
         k = self.kernel_size
         pooled = torch.nn.functional.avg_pool1d(flat, k, stride=1, padding=k // 2)
@@ -127,11 +125,17 @@ class SnapKV(DecodeScorer):
         order."""
         if not self.per_layer_lists():
             return super().list_order(stays, ranked, counts)
-        count = torch.tensor(counts, device=ranked.device)[..., None]
-        column = torch.arange(ranked.shape[-1], device=ranked.device)
-        window = (column >= count - self.window_size) & (column < count)
+        _, window = self._split_at_window(ranked, counts)
         key = torch.where(window, float("-inf"), -ranked)
         return torch.sort(torch.where(stays, key, float("inf")), dim=2, stable=True).indices
+
+    def _split_at_window(self, like: torch.Tensor, counts: list[list[int]]):
+        """Which entries of each layer's list ([requests, layers, n], as ``like``; its first
+        ``counts[i][l]`` held) come before its last ``window_size``, and which are those last."""
+        count = torch.tensor(counts, device=like.device)[..., None]
+        column = torch.arange(like.shape[-1], device=like.device)
+        start = count - self.window_size
+        return column < start, (column >= start) & (column < count)
 
 
 @register_policy
