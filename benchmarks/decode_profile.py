@@ -43,12 +43,41 @@ def build_parser():
 HOST_GAP_US = 50.0
 
 
+def trace_events(trace_path: Path) -> list[dict]:
+    """The events of a torch-profiler chrome trace (gzipped)."""
+    with gzip.open(trace_path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
 def kernel_events(trace_path: Path) -> list[dict]:
     """The GPU kernels of a torch-profiler chrome trace, in start order."""
-    with gzip.open(trace_path, "rt") as f:
-        events = json.load(f)["traceEvents"]
+    return kernels_of(trace_events(trace_path))
+
+
+def kernels_of(events: list[dict]) -> list[dict]:
     kernels = [event for event in events if event.get("cat") == "kernel"]
     return sorted(kernels, key=lambda event: float(event["ts"]))
+
+
+def whole_graph_steps(events: list[dict]) -> tuple[list[dict], int] | None:
+    """The kernels of a trace's whole decode steps and how many: those from the first CUDA graph
+    replay's first kernel to the last replay's (each decode step replays one graph), whatever
+    launched them; None with fewer than two replays. A trace started or stopped mid-step (a
+    server profiled while it runs) holds parts of steps at either end."""
+    replays = {
+        event["args"]["correlation"]
+        for event in events
+        if event.get("name") == "cudaGraphLaunch" and "correlation" in event.get("args", {})
+    }
+    kernels = kernels_of(events)
+    first_kernel: dict[int, float] = {}
+    for kernel in kernels:  # in start order
+        first_kernel.setdefault(kernel.get("args", {}).get("correlation"), float(kernel["ts"]))
+    starts = sorted(ts for correlation, ts in first_kernel.items() if correlation in replays)
+    if len(starts) < 2:
+        return None
+    inside = [k for k in kernels if starts[0] <= float(k["ts"]) < starts[-1]]
+    return inside, len(starts) - 1
 
 
 def idle_gaps_us(kernels: list[dict]) -> tuple[float, float]:
@@ -87,25 +116,32 @@ def short_name(kernel: str) -> str:
     return name.rsplit("::", 1)[-1][:60] or kernel[:60]
 
 
-def profile_rows(point: dict, kernels: list[dict], steps: int, top: int, info) -> list:
+def step_profile(
+    kernels: list[dict], steps: int, top: int, periods: bool = False
+) -> dict[str, float]:
+    """Per step of ``steps`` profiled: each of the ``top`` longest kernels' GPU time
+    (``kernel_ms:NAME``, the rest as ``kernel_ms:(other)``), the kernels launched, their summed
+    time and the GPU's idle time inside steps and between them (ms). ``periods``: the kernels
+    span ``steps`` whole step periods, each with its gap (``whole_graph_steps``)."""
     times = kernel_times_us(kernels)
     per_step = {name: sum(durations) / steps / 1e3 for name, durations in times.items()}
     ranked = sorted(per_step.items(), key=lambda item: -item[1])
-    rows = [info.row(**point, metric=f"kernel_ms:{name}", value=ms) for name, ms in ranked[:top]]
-    rows.append(
-        info.row(**point, metric="kernel_ms:(other)", value=sum(ms for _, ms in ranked[top:]))
-    )
-    launched = sum(len(durations) for durations in times.values()) / steps
-    rows += [
-        info.row(**point, metric="kernels_per_step", value=launched),
-        info.row(**point, metric="gpu_busy_ms", value=sum(per_step.values())),
-    ]
+    metrics = {f"kernel_ms:{name}": ms for name, ms in ranked[:top]}
+    metrics["kernel_ms:(other)"] = sum(ms for _, ms in ranked[top:])
+    metrics["kernels_per_step"] = sum(len(durations) for durations in times.values()) / steps
+    metrics["gpu_busy_ms"] = sum(per_step.values())
     # the profiled steps' kernels lie between the first's and the last's: steps - 1 host gaps
     short, long = idle_gaps_us(kernels)
-    rows.append(info.row(**point, metric="gpu_idle_in_step_ms", value=short / steps / 1e3))
-    if steps > 1:
-        rows.append(info.row(**point, metric="host_gap_ms", value=long / (steps - 1) / 1e3))
-    return rows
+    metrics["gpu_idle_in_step_ms"] = short / steps / 1e3
+    gaps = steps if periods else steps - 1
+    if gaps:
+        metrics["host_gap_ms"] = long / gaps / 1e3
+    return metrics
+
+
+def profile_rows(point: dict, kernels: list[dict], steps: int, top: int, info) -> list:
+    metrics = step_profile(kernels, steps, top)
+    return [info.row(**point, metric=name, value=value) for name, value in metrics.items()]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -39,6 +39,12 @@ weights instead, each request a different window of natural text (the quality be
 passages) in the model's chat template: where what a policy reads depends on real attention (ART
 stops on it).
 
+``--profile-steps N`` puts the server under the torch profiler for N forward steps once the run
+has decoded half its tokens (``--profile-at-step``): the kernels of the whole decode steps in that
+window, per step (``kernel_ms:NAME``, ``gpu_busy_ms``, ``host_gap_ms``, as benchmarks.decode_profile
+names them), at the run's own batch and KV, where a synthetic one-batch profile's KV differs. The
+profiled steps are slower; their share of a run is small, and a ratio is best taken without it.
+
 A run too long for one sitting can be split by policy: with --partial-dir, each policy's
 measurement is saved there, and every call reports all policies found there (the same --shape,
 --requests, --input-len and --output-len), vanilla's as the baseline. Without it each policy's
@@ -64,7 +70,7 @@ from pathlib import Path
 
 import requests
 
-from benchmarks import harness, plot
+from benchmarks import decode_profile, harness, plot
 from benchmarks.harness import EngineServer, Row, RunInfo
 from sglang_ext.launch import flag_value
 
@@ -112,6 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--seeds-dir", type=Path, default=None,
         help="text files for --real-weights' passages (default: the quality benchmark's)",
     )  # fmt: skip
+    parser.add_argument(
+        "--profile-steps", type=int, default=0,
+        help="forward steps under the torch profiler during the run (0: none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--profile-at-step", type=int, default=None,
+        help="the run's decode step the profile starts at (default: half --output-len)",
+    )  # fmt: skip
+    parser.add_argument("--top", type=int, default=20, help="kernels named per profile")
     parser.add_argument(
         "--partial-dir",
         type=Path,
@@ -194,10 +209,11 @@ class KvSample:
 
 
 class KvSampler:
-    """Polls the server's load snapshot from a thread while requests run."""
+    """Polls the server's load snapshot from a thread while requests run, and hands each sample
+    to ``observers``."""
 
-    def __init__(self, url: str, interval_s: float):
-        self.url, self.interval_s = url, interval_s
+    def __init__(self, url: str, interval_s: float, observers=()):
+        self.url, self.interval_s, self.observers = url, interval_s, observers
         self.samples: list[KvSample] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -227,16 +243,57 @@ class KvSampler:
         while not self._stop.is_set():
             loads = self._loads()
             steps, generated = self._decode_counters(loads)
-            self.samples.append(
-                KvSample(
-                    seconds=time.perf_counter() - self._start,
-                    kv_tokens=sum(load["num_used_tokens"] for load in loads),
-                    running=sum(load["num_running_reqs"] for load in loads),
-                    decode_steps=steps - self._steps0,
-                    generated=generated - self._generated0,
-                )
+            sample = KvSample(
+                seconds=time.perf_counter() - self._start,
+                kv_tokens=sum(load["num_used_tokens"] for load in loads),
+                running=sum(load["num_running_reqs"] for load in loads),
+                decode_steps=steps - self._steps0,
+                generated=generated - self._generated0,
             )
+            self.samples.append(sample)
+            for observe in self.observers:
+                observe(sample)
             self._stop.wait(self.interval_s)
+
+
+class StepProfiler:
+    """Profiles ``steps`` forward steps of a running server (SGLang's /start_profile, kernels and
+    host ops) from the first sample at or past ``at_step`` decode steps; the trace goes to
+    ``trace_dir``."""
+
+    def __init__(self, url: str, at_step: int, steps: int, trace_dir: Path):
+        self.url, self.at_step, self.steps, self.trace_dir = url, at_step, steps, trace_dir
+        self.running: int | None = None  # requests running when it started
+
+    def __call__(self, sample: KvSample) -> None:
+        if self.running is not None or sample.decode_steps < self.at_step:
+            return
+        self.running = sample.running
+        body = {
+            "output_dir": str(self.trace_dir), "num_steps": self.steps,
+            "activities": ["CPU", "GPU"], "with_stack": False, "record_shapes": False,
+        }  # fmt: skip
+        requests.post(f"{self.url}/start_profile", json=body, timeout=60).raise_for_status()
+
+    def result(self, top: int, wait_s: float = 120.0) -> dict[str, float]:
+        """Per decode step of the profile (``decode_profile.step_profile``, its whole steps), the
+        steps it holds and the requests running; {} where it never started."""
+        if self.running is None:
+            return {}
+        deadline = time.monotonic() + wait_s
+        # the first rank's trace (every rank runs the same steps); written when the steps end
+        while not (traces := sorted(self.trace_dir.glob("*TP-0*.trace.json.gz"))):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no profile trace in {self.trace_dir} after {wait_s:.0f} s")
+            time.sleep(1.0)
+        time.sleep(2.0)  # the export may still be writing
+        events = decode_profile.trace_events(traces[0])
+        whole = decode_profile.whole_graph_steps(events)
+        if whole is None:
+            raise RuntimeError(f"{traces[0]}: fewer than two CUDA graph replays (graphs off?)")
+        kernels, steps = whole
+        metrics = decode_profile.step_profile(kernels, steps, top, periods=True)
+        return {**metrics, "profiled_steps": float(steps), "profiled_running": float(self.running)}
 
 
 def max_running(samples: list[KvSample]) -> int:
@@ -259,11 +316,12 @@ def kv_per_request(samples: list[KvSample]) -> tuple[float, float]:
 
 def measure(
     url: str, prompts: list[list[int]], output_len: int, interval_s: float,
-    kv_policies: list[str | None] = (None,),
+    kv_policies: list[str | None] = (None,), observers=(),
 ) -> tuple[float, KvSampler, float | None]:
     """Output tokens/s over all requests sent at once (request i under ``kv_policies[i % n]``),
-    the sampler of KV and running requests meanwhile, and the tokens attended per layer at a
-    decode step, the mean over every request's steps (None where the server reports none)."""
+    the sampler of KV and running requests meanwhile (its samples handed to ``observers``), and
+    the tokens attended per layer at a decode step, the mean over every request's steps (None
+    where the server reports none)."""
     # Full-length prompts, several at once, compile what the measured prefill runs (FlashInfer
     # JIT-builds kernels on first use: 10 s inside the clock at --tp 2 on 2026-11-26, and 9 s at
     # its first prefill of two requests after a one-request warm-up on 2026-11-28); reversed, so
@@ -271,7 +329,8 @@ def measure(
     warmup = [ids[::-1] for ids in prompts[:WARMUP_REQUESTS]]
     with ThreadPoolExecutor(len(warmup)) as pool:
         list(pool.map(lambda ids: generate(url, ids, 4), warmup))
-    with KvSampler(url, interval_s) as sampler, ThreadPoolExecutor(len(prompts)) as pool:
+    sampler = KvSampler(url, interval_s, observers)
+    with sampler, ThreadPoolExecutor(len(prompts)) as pool:
         start = time.perf_counter()
         chosen = [kv_policies[i % len(kv_policies)] for i in range(len(prompts))]
         outs = list(pool.map(lambda ids, kv: generate(url, ids, output_len, kv), prompts, chosen))
@@ -352,6 +411,7 @@ class PolicyRun:
     step_ms: float | None = None  # decode_step_ms of its server's log (TPOT at the full batch)
     step_residual: float | None = None  # decode_step_residual_frac of its server's log
     mean_attended: float | None = None  # measure's tokens attended per layer and step
+    profile: dict[str, float] = dataclasses.field(default_factory=dict)  # StepProfiler.result
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(dataclasses.asdict(self)) + "\n")
@@ -383,6 +443,7 @@ class PolicyRun:
             metrics["decode_step_ms"] = self.step_ms
         if self.step_residual is not None:
             metrics["decode_step_residual_frac"] = self.step_residual
+        metrics |= self.profile
         return [self.row(args, name, value) for name, value in metrics.items()]
 
     def row(self, args, metric: str, value: float) -> Row:
@@ -421,10 +482,16 @@ def measure_policy(args, policy: str, prompts: list[list[int]], info: RunInfo) -
         server.wait_ready()
         if not harness.is_vanilla(policy) and not POLICY_ACTIVE_LOG in server.log():
             raise RuntimeError(f"{policy}: the server did not load the policy; log {log_path}")
+        profilers = []
+        if args.profile_steps:
+            at_step = args.output_len // 2 if args.profile_at_step is None else args.profile_at_step
+            traces = log_path.with_suffix(".traces")
+            profilers.append(StepProfiler(server.url, at_step, args.profile_steps, traces))
         tok_s, sampler, attended = measure(
             server.url, prompts, args.output_len, args.sample_interval,
-            harness.request_policies(policy),
+            harness.request_policies(policy), profilers,
         )  # fmt: skip
+        profile = profilers[0].result(args.top) if profilers else {}
         log = server.log()
         retracted = sum(int(n) for n in RETRACTED_LOG.findall(log))
         step_curve, step_ms = decode_step_curve(log), decode_step_ms(log)
@@ -442,7 +509,7 @@ def measure_policy(args, policy: str, prompts: list[list[int]], info: RunInfo) -
             policy, harness.policy_config(policy, args.policy_config, args.policies)
         ),
         step_curve=step_curve,
-        step_ms=step_ms, step_residual=step_residual, mean_attended=attended,
+        step_ms=step_ms, step_residual=step_residual, mean_attended=attended, profile=profile,
     )  # fmt: skip
 
 

@@ -325,6 +325,54 @@ def test_a_profile_gives_each_kernels_time_per_step_and_sums_the_rest(tmp_path):
     })  # fmt: skip
 
 
+def test_a_running_servers_profile_counts_only_its_whole_graph_steps(tmp_path, monkeypatch):
+    import gzip
+    import json
+
+    def kernel(name, ts, dur, correlation):
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur,
+                "args": {"correlation": correlation}}  # fmt: skip
+
+    def replay(correlation):
+        return {"cat": "cuda_runtime", "name": "cudaGraphLaunch",
+                "args": {"correlation": correlation}}  # fmt: skip
+
+    # started mid-step (the tail of a replay, 1) and stopped mid-step (replay 3 cut short);
+    # each step: a planning kernel launched eagerly (0, 10, 20: not in a graph), then its graph
+    events = [
+        kernel("attn", 0.0, 4.0, 1), kernel("plan", 100.0, 2.0, 90), replay(2), replay(3),
+        kernel("attn", 110.0, 5.0, 2), kernel("mlp", 116.0, 3.0, 2),
+        kernel("plan", 200.0, 2.0, 91), kernel("attn", 210.0, 5.0, 3),
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 120.0, "dur": 50.0},
+    ]  # fmt: skip
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    with gzip.open(traces / "e2e-1.5-TP-0.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    kernels, steps = decode_profile.whole_graph_steps(decode_profile.trace_events(
+        traces / "e2e-1.5-TP-0.trace.json.gz"
+    ))  # fmt: skip
+    # one whole period: from replay 2's first kernel to replay 3's, the next step's plan inside
+    assert steps == 1 and [k["ts"] for k in kernels] == [110.0, 116.0, 200.0]
+    posted = []
+    response = SimpleNamespace(raise_for_status=lambda: None)
+    monkeypatch.setattr(
+        e2e.requests, "post", lambda url, json, timeout: posted.append((url, json)) or response
+    )
+    profiler = e2e.StepProfiler("http://s", at_step=8, steps=4, trace_dir=traces)
+    assert profiler.result(top=2) == {}  # not started
+    for decode_steps, running in ((3, 5), (9, 7), (12, 7)):
+        profiler(e2e.KvSample(0.0, 0, running, decode_steps, 0))
+    assert [(url, body["num_steps"]) for url, body in posted] == [("http://s/start_profile", 4)]
+    monkeypatch.setattr(e2e.time, "sleep", lambda s: None)
+    metrics = profiler.result(top=1)
+    assert metrics == pytest.approx({
+        "kernel_ms:attn": 0.005, "kernel_ms:(other)": 0.005, "kernels_per_step": 3.0,
+        "gpu_busy_ms": 0.010, "gpu_idle_in_step_ms": 0.001, "host_gap_ms": 0.081,
+        "profiled_steps": 1.0, "profiled_running": 7.0,
+    })  # fmt: skip
+
+
 def test_host_step_times_the_adapters_work_for_each_policy_and_batch(tmp_path):
     out = tmp_path / "out"
     host_step.main([
