@@ -268,9 +268,10 @@ def scores_tuning_rows(inputs, point: dict, info) -> list[Row]:
 
 def stage1_tuning_rows(inputs, budget_tokens: int, point: dict, info) -> list[Row]:
     """Our split-KV kernel under each stage-1 launch (``Stage1Launch``) as a selection layer runs
-    it (the whole cache, logits stored) and as a DELTA sparse layer does (the slot table of
-    16-token pages spread over the cache): ``stage1_ms:<kind>:bn<block_n>-w<warps>-s<stages>``,
-    the default marked."""
+    it (the whole cache, logits stored), as a DELTA sparse layer does (the slot table of
+    16-token pages spread over the cache) and as a Tidal sparse layer under an eviction does
+    (``sparse_tokens``: a table of scattered tokens, logits stored):
+    ``stage1_ms:<kind>:bn<block_n>-w<warps>-s<stages>``, the default marked."""
     import itertools
 
     from sglang_ext.kernels import split_kv_decode as skv
@@ -288,15 +289,30 @@ def stage1_tuning_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
     table.gather(kv, selected, num_selected, PAGE)
     over_table = (q, kv.through(table.slots, table.rows[:batch], table.count[:batch]))
     logits = torch.empty(batch, q_heads, inputs.context, device="cuda", dtype=torch.float32)
+    # Tidal's tokens (random positions, in no order) read under an eviction, which keeps each
+    # entry's logits for its scores (lethe+tidal's sparse layers)
+    k = min(budget_tokens, inputs.context)
+    order = torch.rand(batch, inputs.context, device="cuda").argsort(dim=1)
+    tokens, token_table = order[:, :k].to(torch.int32).contiguous(), SlotTable(batch, k, "cuda")
+    token_table.gather(kv, tokens, torch.full((batch,), k, device="cuda", dtype=torch.int32), 1)
+    over_tokens = (q, kv.through(token_table.slots, token_table.rows[:batch], token_table.count))
+    token_logits = torch.empty(batch, q_heads, k, device="cuda", dtype=torch.float32)
     kinds = {
         "select": (cache, {"logits": logits}, inputs.context),
         "sparse": (over_table, {}, pages * PAGE),
+        "sparse_tokens": (over_tokens, {"logits": token_logits}, k),
     }
     out = torch.empty_like(inputs.q)
     rows = []
     for kind, (args, extra, tokens) in kinds.items():
-        kind_launch = skv.STAGE1_WHOLE if kind == "select" else skv.STAGE1_SELECTED
-        workspace = skv.SplitKVWorkspace(batch, q_heads, kv_heads, dim, tokens, "cuda")
+        per_sm = skv.PROGRAMS_PER_SM if kind == "select" else skv.SHORT_LIST_PROGRAMS_PER_SM
+        workspace = skv.SplitKVWorkspace(
+            batch, q_heads, kv_heads, dim, tokens, "cuda", programs_per_sm=per_sm
+        )
+        default = workspace.splits[batch]
+        kind_launch = (
+            skv.STAGE1_WHOLE if kind == "select" else skv.selected_launch(tokens, default)
+        )
         for block_n, warps, stages in itertools.product((32, 64), (4, 8), (1, 2, 3, 4)):
             launch = replace(kind_launch, block_n=block_n, num_warps=warps, num_stages=stages)
 
@@ -311,8 +327,6 @@ def stage1_tuning_rows(inputs, budget_tokens: int, point: dict, info) -> list[Ro
         # the split count (the engine's choice marked), at the kind's default launch, and where
         # the last split's program may merge, with the other merge: "-merged" by that program,
         # "-launch" by stage 2's launch
-        per_sm = skv.SHORT_LIST_PROGRAMS_PER_SM if kind == "sparse" else skv.PROGRAMS_PER_SM
-        default = skv.num_kv_splits_for(batch, kv_heads, tokens, "cuda", per_sm)
         merged = kind_launch.merge_in_last_split
         other = replace(kind_launch, merge_in_last_split=not merged)
         merges = {"": kind_launch, "-launch" if merged else "-merged": other}

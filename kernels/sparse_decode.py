@@ -8,9 +8,9 @@ request's last page); its missing tokens are skipped.
 
 On CUDA a selection is read through a ``SlotTable``: each selection layer gathers its requests'
 selected KV slots once, and every sparse layer after it attends over that table with the split-KV
-kernel reading the table as its req_to_token, under the launch tuned for short selected lists
-(``STAGE1_SELECTED``: shorter tiles than the whole-cache launch's, and the merge by the last
-split's program; benchmarks.kernel_bench --parts tune). Several readers' tables may share one
+kernel reading the table as its req_to_token, under the launch tuned for selected lists
+(``selected_launch``: shorter tiles than the whole-cache launch's where the list is split over
+many programs, and the merge by the last split's program; benchmarks.kernel_bench --parts tune). Several readers' tables may share one
 storage (``SharedSlotTables``: a policy mix's members), so that one call reads each batch entry's
 row from its own reader's table.
 """
@@ -25,10 +25,10 @@ import triton.language as tl
 from .kv_view import KVView
 from .split_kv_decode import (
     SHORT_LIST_PROGRAMS_PER_SM,
-    STAGE1_SELECTED,
     SplitKVWorkspace,
     attend_positions_ref,
     num_kv_splits_for,
+    selected_launch,
     split_kv_decode,
 )
 
@@ -133,16 +133,18 @@ class SlotTable:
     def attend_with_lse(self, q, kv: KVView, sm_scale: float, out=None, logits=None):
         """``attend``'s (out, lse); ``logits`` ([>= batch, q_heads, >= entries] fp32) receives
         each gathered entry's scaled q·k, by its index in the table."""
-        batch = q.shape[0]
-        splits = None
+        batch, entries = q.shape[0], self.slots.shape[1]
         if self.workspace is None:
-            entries, kv_heads = self.slots.shape[1], kv.k.shape[1]
+            kv_heads = kv.k.shape[1]
             splits = num_kv_splits_for(
                 batch, kv_heads, entries, q.device, SHORT_LIST_PROGRAMS_PER_SM
             )
+        else:
+            splits = self.workspace.splits[batch]
         return split_kv_decode(
             q, kv.through(self.slots, self.rows[:batch], self.count[:batch]), sm_scale,
-            num_kv_splits=splits, workspace=self.workspace, out=out, launch=STAGE1_SELECTED,
+            num_kv_splits=None if self.workspace else splits, workspace=self.workspace, out=out,
+            launch=selected_launch(entries, splits),
             logits=None if logits is None else logits[:batch],
         )  # fmt: skip
 

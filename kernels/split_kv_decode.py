@@ -65,6 +65,17 @@ class Stage1Launch:
 # merge's registers slow the whole-cache loop, so over the whole cache stage 2 merges.
 STAGE1_WHOLE = Stage1Launch(block_n=64, num_warps=4, num_stages=3, merge_in_last_split=False)
 STAGE1_SELECTED = Stage1Launch(block_n=32, num_warps=4, num_stages=3)
+# A selection split over few programs (a large batch: one split per request and KV head) gives
+# each a long run of tokens, which 64-token tiles read faster (15 % at 128 and 256 requests of
+# llama8b's 8 KV heads over 1,024 selected entries); short splits waste less of 32-token tiles.
+STAGE1_SELECTED_LONG = Stage1Launch(block_n=64, num_warps=4, num_stages=3)
+LONG_SPLIT_TOKENS = 1024
+
+
+def selected_launch(max_entries: int, num_splits: int) -> Stage1Launch:
+    """Stage 1's launch over a selection of up to ``max_entries`` tokens in ``num_splits``."""
+    long = max_entries >= LONG_SPLIT_TOKENS * num_splits
+    return STAGE1_SELECTED_LONG if long else STAGE1_SELECTED
 
 
 @triton.jit

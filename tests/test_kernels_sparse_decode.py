@@ -254,6 +254,17 @@ def test_every_stage1_launch_computes_the_same_attention(block_n, warps, stages)
     torch.testing.assert_close(out, sparse, **OUT_TOL[torch.bfloat16])
 
 
+def test_a_selection_split_over_few_programs_is_read_in_longer_tiles():
+    """Many requests leave one split per (request, KV head) and a long run of tokens each: the
+    64-token tile; a small batch splits the list finely, and 32-token tiles waste less."""
+    from sglang_ext.kernels import split_kv_decode as skv
+
+    assert skv.selected_launch(1024, 1) is skv.STAGE1_SELECTED_LONG
+    assert skv.selected_launch(2048, 2).block_n == 64
+    assert skv.selected_launch(1024, 2) is skv.STAGE1_SELECTED
+    assert skv.selected_launch(256, 1).block_n == 32
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_last_split_merges_as_the_merge_launch_does_and_resets_its_counters(dtype):
     """The last program of each (request, KV head) merges the splits; its counters return to 0,
