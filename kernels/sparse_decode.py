@@ -10,9 +10,9 @@ On CUDA a selection is read through a ``SlotTable``: each selection layer gather
 selected KV slots once, and every sparse layer after it attends over that table with the split-KV
 kernel reading the table as its req_to_token, under the launch tuned for selected lists
 (``selected_launch``: shorter tiles than the whole-cache launch's where the list is split over
-many programs, and the merge by the last split's program; benchmarks.kernel_bench --parts tune). Several readers' tables may share one
-storage (``SharedSlotTables``: a policy mix's members), so that one call reads each batch entry's
-row from its own reader's table.
+many programs, and the merge by the last split's program; benchmarks.kernel_bench --parts tune).
+Several readers' tables may share one storage (``SharedSlotTables``: a policy mix's members), so
+that one call reads each batch entry's row from its own reader's table.
 """
 
 import dataclasses

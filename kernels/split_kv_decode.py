@@ -66,8 +66,8 @@ class Stage1Launch:
 STAGE1_WHOLE = Stage1Launch(block_n=64, num_warps=4, num_stages=3, merge_in_last_split=False)
 STAGE1_SELECTED = Stage1Launch(block_n=32, num_warps=4, num_stages=3)
 # A selection split over few programs (a large batch: one split per request and KV head) gives
-# each a long run of tokens, which 64-token tiles read faster (15 % at 128 and 256 requests of
-# llama8b's 8 KV heads over 1,024 selected entries); short splits waste less of 32-token tiles.
+# each a long run of tokens, which 64-token tiles read faster; short splits waste less of 32-token
+# tiles (benchmarks.kernel_bench --parts tune, its sparse kinds at 1 to 256 requests).
 STAGE1_SELECTED_LONG = Stage1Launch(block_n=64, num_warps=4, num_stages=3)
 LONG_SPLIT_TOKENS = 1024
 

@@ -86,12 +86,12 @@ class _Extending:
 # A batched round's requests x layers x positions at most: its int64 scratch tensors stay at
 # 32 MiB each (18 requests of 8k tokens under 28 layers; one of 128k).
 ROUND_ENTRIES = 1 << 22
-# A round costs its launches and host reads whatever the number of requests it prunes, and it
-# leaves the GPU waiting on the host: with hundreds of requests running, some are due at almost
-# every step (a profile of 256 requests found the GPU idle 1.8 ms a step). From this many
-# requests in a decode batch, the due rounds wait for every ROUND_GATHER_STEPS-th step and run
-# together: a request holds at most ROUND_GATHER_STEPS - 1 tokens more meanwhile. Smaller
-# batches prune each request at its own step.
+# A round costs its launches and host reads whatever the number of requests it prunes, and the
+# GPU waits on that host work: with hundreds of requests running some are due at almost every
+# step (benchmarks.e2e --profile-steps shows the GPU's host gaps). From this many requests in a
+# decode batch, the due rounds wait for every ROUND_GATHER_STEPS-th step and run together: a
+# request holds at most ROUND_GATHER_STEPS - 1 tokens more meanwhile. Smaller batches prune each
+# request at its own step.
 ROUND_GATHER_BATCH = 64
 ROUND_GATHER_STEPS = 8
 
