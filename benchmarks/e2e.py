@@ -44,6 +44,7 @@ has decoded half its tokens (``--profile-at-step``): the kernels of the whole de
 window, per step (``kernel_ms:NAME``, ``gpu_busy_ms``, ``host_gap_ms``, as benchmarks.decode_profile
 names them), at the run's own batch and KV, where a synthetic one-batch profile's KV differs. The
 profiled steps are slower; their share of a run is small, and a ratio is best taken without it.
+``--profile-python`` records Python stacks too, to find where the host's work comes from.
 
 A run too long for one sitting can be split by policy: with --partial-dir, each policy's
 measurement is saved there, and every call reports all policies found there (the same --shape,
@@ -125,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--profile-at-step", type=int, default=None,
         help="the run's decode step the profile starts at (default: half --output-len)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--profile-python", action="store_true",
+        help="the profile records Python stacks too (where host work comes from; a larger trace)",
     )  # fmt: skip
     parser.add_argument("--top", type=int, default=20, help="kernels named per profile")
     parser.add_argument(
@@ -261,8 +266,9 @@ class StepProfiler:
     host ops) from the first sample at or past ``at_step`` decode steps; the trace goes to
     ``trace_dir``."""
 
-    def __init__(self, url: str, at_step: int, steps: int, trace_dir: Path):
+    def __init__(self, url: str, at_step: int, steps: int, trace_dir: Path, stacks: bool = False):
         self.url, self.at_step, self.steps, self.trace_dir = url, at_step, steps, trace_dir
+        self.stacks = stacks  # Python stacks in the trace
         self.running: int | None = None  # requests running when it started
 
     def __call__(self, sample: KvSample) -> None:
@@ -271,7 +277,7 @@ class StepProfiler:
         self.running = sample.running
         body = {
             "output_dir": str(self.trace_dir), "num_steps": self.steps,
-            "activities": ["CPU", "GPU"], "with_stack": False, "record_shapes": False,
+            "activities": ["CPU", "GPU"], "with_stack": self.stacks, "record_shapes": False,
         }  # fmt: skip
         requests.post(f"{self.url}/start_profile", json=body, timeout=60).raise_for_status()
 
@@ -486,7 +492,9 @@ def measure_policy(args, policy: str, prompts: list[list[int]], info: RunInfo) -
         if args.profile_steps:
             at_step = args.output_len // 2 if args.profile_at_step is None else args.profile_at_step
             traces = log_path.with_suffix(".traces")
-            profilers.append(StepProfiler(server.url, at_step, args.profile_steps, traces))
+            profilers.append(
+                StepProfiler(server.url, at_step, args.profile_steps, traces, args.profile_python)
+            )
         tok_s, sampler, attended = measure(
             server.url, prompts, args.output_len, args.sample_interval,
             harness.request_policies(policy), profilers,

@@ -364,6 +364,7 @@ def test_a_running_servers_profile_counts_only_its_whole_graph_steps(tmp_path, m
     for decode_steps, running in ((3, 5), (9, 7), (12, 7)):
         profiler(e2e.KvSample(0.0, 0, running, decode_steps, 0))
     assert [(url, body["num_steps"]) for url, body in posted] == [("http://s/start_profile", 4)]
+    assert posted[0][1]["with_stack"] is False  # Python stacks only when asked
     monkeypatch.setattr(e2e.time, "sleep", lambda s: None)
     metrics = profiler.result(top=1)
     assert metrics == pytest.approx({

@@ -129,21 +129,6 @@ def test_a_round_is_planned_once_retained_kv_passes_the_threshold():
     assert runtime.plan_step([long], decode=True).rounds == []
 
 
-def test_a_large_batchs_due_rounds_wait_for_the_gathering_step():
-    from sglang_ext.policies.lethe import runtime as lethe_runtime
-
-    cache = Cache(num_layers=2, seq_lens=(200, 9))
-    runtime = runtime_for(cache, evict_threshold=16)
-    long, short = step(cache, runtime, 0), step(cache, runtime, 1)
-    every = lethe_runtime.ROUND_GATHER_STEPS
-    large = [long] + [short] * (lethe_runtime.ROUND_GATHER_BATCH - 1)
-    planned = [bool(runtime.plan_step(large, decode=True).rounds) for _ in range(2 * every)]
-    # due from the first step, pruned at every ROUND_GATHER_STEPS-th only
-    assert planned == ([False] * (every - 1) + [True]) * 2
-    # a smaller batch prunes a request at its own step, whatever the count
-    assert all(runtime.plan_step([long, short], decode=True).rounds for _ in range(every))
-
-
 def test_admission_counts_a_request_at_its_expected_retained_kv():
     cache = Cache(num_layers=2)
     runtime = runtime_for(cache, evict_threshold=256)

@@ -86,14 +86,6 @@ class _Extending:
 # A batched round's requests x layers x positions at most: its int64 scratch tensors stay at
 # 32 MiB each (18 requests of 8k tokens under 28 layers; one of 128k).
 ROUND_ENTRIES = 1 << 22
-# A round costs its launches and host reads whatever the number of requests it prunes, and the
-# GPU waits on that host work: with hundreds of requests running some are due at almost every
-# step (benchmarks.e2e --profile-steps shows the GPU's host gaps). From this many requests in a
-# decode batch, the due rounds wait for every ROUND_GATHER_STEPS-th step and run together: a
-# request holds at most ROUND_GATHER_STEPS - 1 tokens more meanwhile. Smaller batches prune each
-# request at its own step.
-ROUND_GATHER_BATCH = 64
-ROUND_GATHER_STEPS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +125,6 @@ class LetheRuntime(PolicyRuntime):
 
     def __init__(self, policy, ctx, shared: DecodeInputs | None = None, eviction=None):
         self.eviction = policy if eviction is None else eviction
-        self._decode_steps = 0  # decode steps planned: the gathering of rounds counts them
         table_share = None if shared is None else shared.table_share
         rows, cap = ctx.req_to_token.shape
         self.trash_row = rows  # padded batch entries (CUDA graphs) write here, read nothing
@@ -232,10 +223,6 @@ class LetheRuntime(PolicyRuntime):
         plan = super().plan_step(requests, decode)
         if not decode:
             return plan
-        self._decode_steps += 1
-        gathering = len(requests) >= ROUND_GATHER_BATCH
-        if gathering and self._decode_steps % ROUND_GATHER_STEPS:
-            return plan  # this step's due rounds wait for the next gathering step
         due = [
             r for r in requests
             if r.state.evicts and r.seq_len - 1 - r.state.evicted > r.state.policy_state.threshold
