@@ -594,6 +594,9 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.real_weights and args.shape != REAL_WEIGHTS_SHAPE:
         build_parser().error(f"--real-weights serves SmolLM2: --shape {REAL_WEIGHTS_SHAPE}")
+    for flag in ("profile_steps", "profile_at_step"):
+        if (getattr(args, flag) or 0) < 0:
+            build_parser().error(f"--{flag.replace('_', '-')} must be >= 0")
     if args.report_only:
         if not args.partial_dir:
             build_parser().error("--report-only needs --partial-dir")

@@ -120,6 +120,13 @@ def test_real_weights_need_the_embedded_models_shape(capsys):
     assert exit_info.value.code == 2 and "--real-weights" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--profile-steps", "--profile-at-step"])
+def test_a_negative_profile_step_is_refused_naming_its_flag(capsys, flag):
+    with pytest.raises(SystemExit) as exit_info:
+        e2e.main(["--shape", "qwen1.5b", flag, "-1"])
+    assert exit_info.value.code == 2 and f"{flag} must be >= 0" in capsys.readouterr().err
+
+
 def test_partial_runs_are_saved_under_plain_file_names_and_found_again(tmp_path):
     args = e2e.build_parser().parse_args(["--shape", "qwen1.5b", "--partial-dir", str(tmp_path)])
     for policy in ("vanilla@fa3", "delta+art@flashinfer", "lethe", "lethe/delta"):
