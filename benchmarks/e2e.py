@@ -286,20 +286,27 @@ class StepProfiler:
         steps it holds and the requests running; {} where it never started."""
         if self.running is None:
             return {}
-        deadline = time.monotonic() + wait_s
-        # the first rank's trace (every rank runs the same steps); written when the steps end
-        while not (traces := sorted(self.trace_dir.glob("*TP-0*.trace.json.gz"))):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no profile trace in {self.trace_dir} after {wait_s:.0f} s")
-            time.sleep(1.0)
-        time.sleep(2.0)  # the export may still be writing
-        events = decode_profile.trace_events(traces[0])
+        events = self._first_rank_trace(time.monotonic() + wait_s)
         whole = decode_profile.whole_graph_steps(events)
         if whole is None:
-            raise RuntimeError(f"{traces[0]}: fewer than two CUDA graph replays (graphs off?)")
+            raise RuntimeError(f"{self.trace_dir}: fewer than two CUDA graph replays (graphs off?)")
         kernels, steps = whole
         metrics = decode_profile.step_profile(kernels, steps, top, periods=True)
         return {**metrics, "profiled_steps": float(steps), "profiled_running": float(self.running)}
+
+    def _first_rank_trace(self, deadline: float) -> list[dict]:
+        """The events of the first rank's trace (every rank runs the same steps), once the server
+        has written it whole: it exports the trace when the steps end."""
+        while True:
+            traces = sorted(self.trace_dir.glob("*TP-0*.trace.json.gz"))
+            try:
+                if traces:
+                    return decode_profile.trace_events(traces[0])
+            except (EOFError, OSError, ValueError):  # still being written
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no whole profile trace in {self.trace_dir} by the deadline")
+            time.sleep(1.0)
 
 
 def max_running(samples: list[KvSample]) -> int:

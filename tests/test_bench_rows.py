@@ -372,7 +372,18 @@ def test_a_running_servers_profile_counts_only_its_whole_graph_steps(tmp_path, m
         profiler(e2e.KvSample(0.0, 0, running, decode_steps, 0))
     assert [(url, body["num_steps"]) for url, body in posted] == [("http://s/start_profile", 4)]
     assert posted[0][1]["with_stack"] is False  # Python stacks only when asked
-    monkeypatch.setattr(e2e.time, "sleep", lambda s: None)
+    # a trace still being written is read once it is whole
+    written = (traces / "e2e-1.5-TP-0.trace.json.gz").read_bytes()
+    (traces / "e2e-1.5-TP-0.trace.json.gz").write_bytes(written[: len(written) // 2])
+
+    waits = []
+
+    def finish_writing(seconds):  # the writer finishes during the second wait
+        waits.append(seconds)
+        if len(waits) == 2:
+            (traces / "e2e-1.5-TP-0.trace.json.gz").write_bytes(written)
+
+    monkeypatch.setattr(e2e.time, "sleep", finish_writing)
     metrics = profiler.result(top=1)
     assert metrics == pytest.approx({
         "kernel_ms:attn": 0.005, "kernel_ms:(other)": 0.005, "kernels_per_step": 3.0,
