@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from policy_cases import Cache, ThreadRanks
+from sglang_ext.policies.lethe import runtime as lethe_runtime
 from sglang_ext.policies.lethe.runtime import LetheRuntime
 from sglang_ext.policies import RankGroup, build_policy
 from sglang_ext.policies.runtime import EngineOps, StepPlan, StepRequest
@@ -15,14 +16,19 @@ HOLE = 0
 
 
 class Pool:
-    """The allocator's side of a round: what was freed."""
+    """The allocator's side of a round: what was freed, in how many calls."""
 
     def __init__(self):
         self.freed: list[int] = []
+        self.calls = 0
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.freed.extend(slots.tolist())
+        self.calls += 1
 
     def ops(self) -> EngineOps:
         return EngineOps(
-            free_slots=lambda slots: self.freed.extend(slots.tolist()),
+            free_slots=self.free,
             available_slots=lambda: len(self.freed),
             rerun_extend=None,
         )
@@ -104,6 +110,22 @@ def test_a_round_frees_exactly_what_no_layer_keeps_and_leaves_holes():
     assert kept[:4].all() and kept[-1]  # sink tokens and the most recent stay
     assert runtime.stats.rounds == 1 and runtime.stats.freed_slots == len(pool.freed)
     assert cache.req_to_token[2, :12].ne(HOLE).all()  # the other request is untouched
+
+
+def test_a_steps_rounds_free_in_one_call_per_batch_sized_by_the_lists_not_the_length(monkeypatch):
+    """SGLang's free reads its slots on the host: requests pruned together give theirs back in
+    one call. A round's tensors span the longest list, so two requests whose lists a round cut
+    to half their length share a batch that their lengths alone would not fit."""
+    cache = Cache(num_layers=2, seq_lens=(200, 200))
+    runtime = runtime_for(cache)
+    requests = [step(cache, runtime, i) for i in range(2)]
+    pool = Pool()
+    runtime.prune(requests, [199, 199], pool.ops())
+    assert pool.calls == 1 and len(pool.freed) == sum(r.state.evicted for r in requests) > 0
+    assert runtime.count[:, [r.row for r in requests]].max() <= 100  # max_kv_ratio 0.5
+    monkeypatch.setattr(lethe_runtime, "ROUND_ENTRIES", 2 * 120 * 2)  # two lists, not lengths
+    runtime.prune(requests, [199, 199], pool.ops())
+    assert pool.calls == 2
 
 
 def test_radix_owned_positions_are_never_freed():

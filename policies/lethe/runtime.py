@@ -74,6 +74,14 @@ class LetheRequest:
     round_length: int = 0  # the positions the last round covered (each step appends one more)
 
 
+def _longest_list(lethe: LetheRequest, length: int) -> int:
+    """The most entries any layer of a request of ``length`` positions holds: its longest list
+    after its last round plus every token decoded since (each layer appends each)."""
+    if not lethe.retained_per_layer:
+        return length
+    return max(lethe.retained_per_layer) + length - lethe.round_length
+
+
 @dataclasses.dataclass(frozen=True)
 class _Extending:
     """The prefill being run, from the host: its requests' rows, lengths and batch positions."""
@@ -421,12 +429,16 @@ class LetheRuntime(PolicyRuntime):
             by_policy.setdefault(rule, []).append((request, length))
         for policy, members in by_policy.items():
             batch: list = []
+            widest = 0
             for request, length in members:
-                widest = max([length, *(n for _, n in batch)])
-                if batch and (len(batch) + 1) * widest * self.ctx.num_layers > ROUND_ENTRIES:
+                # a round's [requests, layers, n] tensors span its longest list, not its length
+                longest = _longest_list(request.state.policy_state, length)
+                entries = (len(batch) + 1) * max(widest, longest) * self.ctx.num_layers
+                if batch and entries > ROUND_ENTRIES:
                     self._round(_RoundBatch.of(policy, batch, self.ctx), engine)
-                    batch = []
+                    batch, widest = [], 0
                 batch.append((request, length))
+                widest = max(widest, longest)
             if batch:
                 self._round(_RoundBatch.of(policy, batch, self.ctx), engine)
 
@@ -460,18 +472,23 @@ class LetheRuntime(PolicyRuntime):
         per_layer, found, salient_plus_recent = torch.stack(
             [retained, found.view_as(retained).long(), salient_plus_recent.view_as(retained)]
         ).tolist()
-        freed = outcome.freed.split(outcome.freed_counts)
-        for i, (request, length) in enumerate(zip(batch.requests, batch.lengths, strict=True)):
-            available_before = engine.available_slots()
-            engine.free_slots(freed[i])
+        available_before = engine.available_slots()
+        engine.free_slots(outcome.freed)  # one call: SGLang's free reads its input on the host
+        logger.info(
+            "sglang_ext: %s rounds of %d requests freed %d slots (available %d -> %d)",
+            self.policy.name, len(batch.requests), outcome.freed.numel(), available_before,
+            engine.available_slots(),
+        )  # fmt: skip
+        members = zip(batch.requests, batch.lengths, outcome.freed_counts, strict=True)
+        for i, (request, length, freed) in enumerate(members):
             layers = (per_layer[i], found[i], salient_plus_recent[i])
-            self._close_round(request, length, freed[i].numel(), *layers)
+            self._close_round(request, length, freed, *layers)
             logger.info(
-                "sglang_ext: %s round %d of %s: %d positions, freed %d slots (available %d -> "
-                "%d), retained %d (radix-owned %d), next threshold %d, retained per layer %s",
-                self.policy.name, request.state.rounds, request.rid, length, freed[i].numel(),
-                available_before, engine.available_slots(), length - request.state.evicted,
-                request.protected_len, request.state.policy_state.threshold, per_layer[i],
+                "sglang_ext: %s round %d of %s: %d positions, freed %d slots, retained %d "
+                "(radix-owned %d), next threshold %d, retained per layer %s",
+                self.policy.name, request.state.rounds, request.rid, length, freed,
+                length - request.state.evicted, request.protected_len,
+                request.state.policy_state.threshold, per_layer[i],
             )  # fmt: skip
 
     def _close_round(
