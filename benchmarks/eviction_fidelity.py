@@ -32,6 +32,11 @@ Methods, each at every kv ratio R of --kv-ratios (a row's ``budget``):
   does not set them; otherwise once, as the JSON says (its budget then the policy's own).
 - ``full`` (the one-step path itself) and, with --window W, ``window-W``.
 
+``top1_minus_reference`` (and its ``_ci95``): each method's top-1 agreement minus the first
+press's (the one at the kv ratio nearest the method's, same context) on the same positions, and
+the 95 % half-width of that paired mean (normal approximation over positions): methods agree at
+most positions, so a gap of a few positions is within it.
+
 ``kv_kept_fraction``: per measured position, the share of the positions so far whose KV the method
 held there (mean over layers and KV heads for kvpress), averaged over positions. Compare methods at
 equal kept fractions, not equal R: a kvpress press sits at R right after each compression and
@@ -220,15 +225,40 @@ def measure(args, model_path) -> tuple[dict, str]:
     return merged, source
 
 
-def means(results: dict) -> dict[tuple[str, str, int], dict[str, float]]:
+def means(results: dict, reference: str | None = None) -> dict[tuple[str, str, int], dict]:
     """Per (label, budget, length): each metric's mean over positions and passages (no
-    kv_kept_fraction for reads that evict nothing)."""
+    kv_kept_fraction for reads that evict nothing), and, where ``reference`` (a label) was
+    measured at that length, the paired top-1 difference against it (``paired_top1``)."""
     out = {}
     for key, (top1, kl, kept) in results.items():
         out[key] = {"top1_agreement": float(top1.mean()), "kl_nats": float(kl.mean())}
         if kept:
             out[key]["kv_kept_fraction"] = sum(kept) / len(kept)
+        paired = paired_top1(results, key, reference)
+        if paired is not None:
+            out[key]["top1_minus_reference"], out[key]["top1_minus_reference_ci95"] = paired
     return out
+
+
+def paired_top1(results: dict, key: tuple, reference: str | None) -> tuple[float, float] | None:
+    """``key``'s top-1 agreement minus ``reference``'s at the same length (at the kv ratio nearest
+    ``key``'s), position by position: (mean, 95 % half-width). None for the reference itself, a
+    read without a ratio, or a length the reference was not measured at."""
+    label, budget, length = key
+    numeric, ratio = _ratio_order(budget)
+    if label == reference or numeric != 0:
+        return None
+    runs = [
+        (abs(_ratio_order(b)[1] - ratio), results[name, b, n][0])
+        for name, b, n in results
+        if name == reference and n == length and _ratio_order(b)[0] == 0
+    ]
+    if not runs:
+        return None
+    _, reference_top1 = min(runs, key=lambda run: run[0])
+    difference = results[key][0].double() - reference_top1.double()
+    spread = float(difference.std()) if difference.numel() > 1 else 0.0
+    return float(difference.mean()), 1.96 * spread / difference.numel() ** 0.5
 
 
 def rows_of(info: RunInfo, shape: str, values: dict) -> list[Row]:
@@ -254,16 +284,23 @@ def _ratio_order(budget: str) -> tuple:
 def markdown(values: dict) -> str:
     """One table: each method at each kv ratio asked, grouped by context and ratio."""
     lines = [
-        "| context | kv ratio asked | method | top-1 agreement | KL (nats) | KV kept fraction |",
-        "| ---: | ---: | --- | ---: | ---: | ---: |",
+        "| context | kv ratio asked | method | top-1 agreement | top-1 − first press (95 % CI) "
+        "| KL (nats) | KV kept fraction |",
+        "| ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     order = sorted(values, key=lambda key: (key[2], _ratio_order(key[1])))
     for label, budget, length in order:
         metric = values[label, budget, length]
         kept = metric.get("kv_kept_fraction")
+        paired = "–"
+        if "top1_minus_reference" in metric:
+            paired = (
+                f"{metric['top1_minus_reference']:+.3f} "
+                f"± {metric['top1_minus_reference_ci95']:.3f}"
+            )
         lines.append(
             f"| {length} | {budget or 'all'} | {label} | {metric['top1_agreement']:.4f} "
-            f"| {metric['kl_nats']:.4g} | {'–' if kept is None else f'{kept:.4f}'} |"
+            f"| {paired} | {metric['kl_nats']:.4g} | {'–' if kept is None else f'{kept:.4f}'} |"
         )
     return "\n".join(lines)
 
@@ -288,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     model_path = args.model_path or default_model_path()
     info = RunInfo.detect()
     results, source = measure(args, model_path)
-    values = means(results)
+    values = means(results, f"kvpress-{args.presses[0]}" if args.presses else None)
     shape = model_slug(model_path)
     harness.save_results(
         BENCH, shape, rows_of(info, shape, values), info, args.out_dir, args.results_md

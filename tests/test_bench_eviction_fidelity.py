@@ -220,3 +220,25 @@ def test_by_position_leaves_the_same_entries_in_position_order(passage):
     ranked, ordered = own.held(layer), positional.held(layer)
     assert torch.equal(ranked.sort(1).values, ordered)
     assert not torch.equal(ranked, ordered)  # top-k's order is not by position
+
+
+def test_a_methods_top1_is_paired_with_the_first_press_at_the_nearest_ratio():
+    """Position by position against the reference: the mean difference and its 95 % half-width
+    (1.96 sample std / sqrt(n)); no pairing for the reference, a read without a ratio, or a
+    context the reference did not run at."""
+    reference = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    results = {
+        ("kvpress-snapkv", "0.3", 64): (reference, torch.zeros(4), []),
+        ("kvpress-snapkv", "0.5", 64): (torch.ones(4), torch.zeros(4), []),
+        ("lethe", "0.27", 64): (torch.tensor([1.0, 0, 1, 1]), torch.zeros(4), []),
+        ("full", "", 64): (torch.ones(4), torch.zeros(4), []),
+        ("lethe", "0.3", 128): (torch.ones(4), torch.zeros(4), []),
+    }
+    values = eviction_fidelity.means(results, "kvpress-snapkv")
+    lethe = values["lethe", "0.27", 64]
+    difference = torch.tensor([0.0, -1, 1, 0])  # against the 0.3 run, the nearer of the two
+    assert lethe["top1_minus_reference"] == pytest.approx(0.0)
+    assert lethe["top1_minus_reference_ci95"] == pytest.approx(1.96 * float(difference.std()) / 2)
+    unpaired = [("kvpress-snapkv", "0.5", 64), ("full", "", 64), ("lethe", "0.3", 128)]
+    for key in unpaired:
+        assert "top1_minus_reference" not in values[key], key
