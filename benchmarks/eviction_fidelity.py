@@ -310,6 +310,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not all(0 <= args.positions_from < length for length in args.lengths):
         parser.error(f"--positions-from {args.positions_from} must lie inside each of --lengths")
+    files, source = at.text_files(args.text_dir)
+    if args.prompts_per_length > len(files):
+        parser.error(
+            f"--prompts-per-length {args.prompts_per_length}: {source} give {len(files)} "
+            "distinct passages per length"
+        )
     if not all(0 < ratio <= 1 for ratio in args.kv_ratios):
         parser.error(f"--kv-ratios {args.kv_ratios}: each must be in (0, 1]")
     if args.presses and args.compression_interval < 2:

@@ -100,6 +100,23 @@ def test_policies_that_evict_nothing_or_bad_parameters_are_refused(text, message
     assert exit.value.code == 2 and "--policies" in err and message in err, err
 
 
+def test_more_passages_than_the_texts_give_are_refused(tmp_path, capsys, model_path):
+    """Prompt i + (the number of text files) would start where prompt i did: a passage measured
+    twice would count its positions twice."""
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.txt").write_text(f"{name} is a letter. " * 200)
+    argv = ["--text-dir", str(tmp_path), "--presses", "", "--policies", "lethe"]
+    with pytest.raises(SystemExit) as exit:
+        eviction_fidelity.main([*argv, "--prompts-per-length", "3", "--out-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "--prompts-per-length 3" in err and "2 distinct" in err, err
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    first, second = at.natural_text_prompts(tokenizer, [64, 64], tmp_path)[0]
+    assert first != second
+    with pytest.raises(ValueError, match="repeat a passage"):
+        at.natural_text_prompts(tokenizer, [64] * 3, tmp_path)
+
+
 @pytest.fixture(scope="module")
 def passage(model_path):
     pytest.importorskip("kvpress")

@@ -200,19 +200,29 @@ def attention_recall(probs: torch.Tensor, tokens: torch.Tensor) -> float:
     return float(probs[:, tokens].sum(dim=-1).mean())
 
 
+def text_files(text_dir: Path = SEED_TEXT_DIR) -> tuple[list[Path], str]:
+    """The text files prompts are cut from, and what they are."""
+    files = sorted(text_dir.glob("*.txt")) if text_dir.is_dir() else []
+    if files:
+        return files, f"the text files in {text_dir}"
+    # No seed texts on this machine: the standard library's source is plenty of English.
+    stdlib = Path(inspect.getsourcefile(os)).parent
+    files = [stdlib / name for name in ("argparse.py", "inspect.py", "typing.py", "pathlib.py")]
+    return files, f"Python standard-library source ({', '.join(f.name for f in files)})"
+
+
 def natural_text_prompts(
     tokenizer, lengths: list[int], text_dir: Path = SEED_TEXT_DIR, first_file: int = 0
 ):
     """One prompt of natural text per length, exactly that many tokens, and where the text comes
     from. Prompt i reads the text files in turn from the (first_file + i)-th on, so prompts start
     differently (and a calibration can read other text than a benchmark)."""
-    files = sorted(text_dir.glob("*.txt")) if text_dir.is_dir() else []
-    source = f"the text files in {text_dir}"
-    if not files:
-        # No seed texts on this machine: the standard library's source is plenty of English.
-        stdlib = Path(inspect.getsourcefile(os)).parent
-        files = [stdlib / name for name in ("argparse.py", "inspect.py", "typing.py", "pathlib.py")]
-        source = f"Python standard-library source ({', '.join(f.name for f in files)})"
+    files, source = text_files(text_dir)
+    if len(lengths) > len(files):  # prompt i + len(files) would start where prompt i did
+        raise ValueError(
+            f"{len(lengths)} prompts from {source} ({len(files)} files) would repeat a passage: "
+            f"at most {len(files)}"
+        )
     texts = [tokenizer(f.read_text(), add_special_tokens=False)["input_ids"] for f in files]
     prompts = []
     for i, length in enumerate(lengths):
