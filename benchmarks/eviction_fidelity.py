@@ -33,7 +33,7 @@ Methods, each at every kv ratio R of --kv-ratios (a row's ``budget``):
 - ``full`` (the one-step path itself) and, with --window W, ``window-W``.
 
 ``top1_minus_reference`` (and its ``_ci95``): each method's top-1 agreement minus the first
-press's (the one at the kv ratio nearest the method's, same context) on the same positions, and
+press's (its run whose KV kept is nearest the method's, same context) on the same positions, and
 the 95 % half-width of that paired mean (normal approximation over positions): methods agree at
 most positions, so a gap of a few positions is within it.
 
@@ -241,17 +241,17 @@ def means(results: dict, reference: str | None = None) -> dict[tuple[str, str, i
 
 
 def paired_top1(results: dict, key: tuple, reference: str | None) -> tuple[float, float] | None:
-    """``key``'s top-1 agreement minus ``reference``'s at the same length (at the kv ratio nearest
-    ``key``'s), position by position: (mean, 95 % half-width). None for the reference itself, a
-    read without a ratio, or a length the reference was not measured at."""
-    label, budget, length = key
-    numeric, ratio = _ratio_order(budget)
-    if label == reference or numeric != 0:
+    """``key``'s top-1 agreement minus ``reference``'s at the same length (its run whose KV kept
+    is nearest ``key``'s), position by position: (mean, 95 % half-width). None for the reference
+    itself, a read that keeps everything, or a length the reference was not measured at."""
+    label, _, length = key
+    kept = results[key][2]
+    if label == reference or not kept:
         return None
     runs = [
-        (abs(_ratio_order(b)[1] - ratio), results[name, b, n][0])
-        for name, b, n in results
-        if name == reference and n == length and _ratio_order(b)[0] == 0
+        (abs(sum(r_kept) / len(r_kept) - sum(kept) / len(kept)), r_top1)
+        for (name, _, n), (r_top1, _, r_kept) in results.items()
+        if name == reference and n == length and r_kept
     ]
     if not runs:
         return None

@@ -239,23 +239,26 @@ def test_by_position_leaves_the_same_entries_in_position_order(passage):
     assert not torch.equal(ranked, ordered)  # top-k's order is not by position
 
 
-def test_a_methods_top1_is_paired_with_the_first_press_at_the_nearest_ratio():
-    """Position by position against the reference: the mean difference and its 95 % half-width
-    (1.96 sample std / sqrt(n)); no pairing for the reference, a read without a ratio, or a
-    context the reference did not run at."""
+def test_a_methods_top1_is_paired_with_the_first_press_at_the_nearest_kept_fraction():
+    """Position by position against the reference run whose KV kept is nearest: the mean
+    difference and its 95 % half-width (1.96 sample std / sqrt(n)); no pairing for the reference,
+    a read that keeps everything, or a context the reference did not run at."""
     reference = torch.tensor([1.0, 1.0, 0.0, 1.0])
     results = {
-        ("kvpress-snapkv", "0.3", 64): (reference, torch.zeros(4), []),
-        ("kvpress-snapkv", "0.5", 64): (torch.ones(4), torch.zeros(4), []),
-        ("lethe", "0.27", 64): (torch.tensor([1.0, 0, 1, 1]), torch.zeros(4), []),
+        ("kvpress-snapkv", "0.3", 64): (reference, torch.zeros(4), [0.3, 0.3]),
+        ("kvpress-snapkv", "0.5", 64): (torch.ones(4), torch.zeros(4), [0.5, 0.5]),
+        ("lethe", "0.27", 64): (torch.tensor([1.0, 0, 1, 1]), torch.zeros(4), [0.3, 0.32]),
+        ("h2o", "compression_ratio 0.5", 64): (torch.zeros(4), torch.zeros(4), [0.52, 0.5]),
         ("full", "", 64): (torch.ones(4), torch.zeros(4), []),
-        ("lethe", "0.3", 128): (torch.ones(4), torch.zeros(4), []),
+        ("lethe", "0.3", 128): (torch.ones(4), torch.zeros(4), [0.3]),
     }
     values = eviction_fidelity.means(results, "kvpress-snapkv")
     lethe = values["lethe", "0.27", 64]
-    difference = torch.tensor([0.0, -1, 1, 0])  # against the 0.3 run, the nearer of the two
+    difference = torch.tensor([0.0, -1, 1, 0])  # against the run keeping 0.3, the nearer
     assert lethe["top1_minus_reference"] == pytest.approx(0.0)
     assert lethe["top1_minus_reference_ci95"] == pytest.approx(1.96 * float(difference.std()) / 2)
+    h2o = values["h2o", "compression_ratio 0.5", 64]  # no kv ratio in its label: by what it kept
+    assert h2o["top1_minus_reference"] == pytest.approx(-1.0)
     unpaired = [("kvpress-snapkv", "0.5", 64), ("full", "", 64), ("lethe", "0.3", 128)]
     for key in unpaired:
         assert "top1_minus_reference" not in values[key], key
