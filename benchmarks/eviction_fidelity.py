@@ -228,35 +228,27 @@ def measure(args, model_path) -> tuple[dict, str]:
 def means(results: dict, reference: str | None = None) -> dict[tuple[str, str, int], dict]:
     """Per (label, budget, length): each metric's mean over positions and passages (no
     kv_kept_fraction for reads that evict nothing), and, where ``reference`` (a label) was
-    measured at that length, the paired top-1 difference against it (``paired_top1``)."""
+    measured at that length, the top-1 difference against its run nearest in KV kept
+    (``paired_top1``)."""
+    kept_mean = {key: sum(kept) / len(kept) for key, (_, _, kept) in results.items() if kept}
+    references = [key for key in kept_mean if key[0] == reference]
     out = {}
-    for key, (top1, kl, kept) in results.items():
+    for key, (top1, kl, _) in results.items():
         out[key] = {"top1_agreement": float(top1.mean()), "kl_nats": float(kl.mean())}
-        if kept:
-            out[key]["kv_kept_fraction"] = sum(kept) / len(kept)
-        paired = paired_top1(results, key, reference)
-        if paired is not None:
+        if key not in kept_mean:
+            continue
+        out[key]["kv_kept_fraction"] = kept_mean[key]
+        runs = [run for run in references if run[2] == key[2]]
+        if key[0] != reference and runs:
+            nearest = min(runs, key=lambda run: abs(kept_mean[run] - kept_mean[key]))
+            paired = paired_top1(top1, results[nearest][0])
             out[key]["top1_minus_reference"], out[key]["top1_minus_reference_ci95"] = paired
     return out
 
 
-def paired_top1(results: dict, key: tuple, reference: str | None) -> tuple[float, float] | None:
-    """``key``'s top-1 agreement minus ``reference``'s at the same length (its run whose KV kept
-    is nearest ``key``'s), position by position: (mean, 95 % half-width). None for the reference
-    itself, a read that keeps everything, or a length the reference was not measured at."""
-    label, _, length = key
-    kept = results[key][2]
-    if label == reference or not kept:
-        return None
-    runs = [
-        (abs(sum(r_kept) / len(r_kept) - sum(kept) / len(kept)), r_top1)
-        for (name, _, n), (r_top1, _, r_kept) in results.items()
-        if name == reference and n == length and r_kept
-    ]
-    if not runs:
-        return None
-    _, reference_top1 = min(runs, key=lambda run: run[0])
-    difference = results[key][0].double() - reference_top1.double()
+def paired_top1(top1: torch.Tensor, reference_top1: torch.Tensor) -> tuple[float, float]:
+    """``top1`` minus ``reference_top1`` position by position: (mean, 95 % half-width)."""
+    difference = top1.double() - reference_top1.double()
     spread = float(difference.std()) if difference.numel() > 1 else 0.0
     return float(difference.mean()), 1.96 * spread / difference.numel() ** 0.5
 
