@@ -31,9 +31,8 @@ _BLOCK_J = 128  # retained entries per block of the scoring and gathering progra
 # context-wide rows would leave thousands idle per layer. 16 rather than 8 keeps the SMs busy in
 # a policy mix too, whose other members' rows leave about half the programs idle.
 _PROGRAMS_PER_ENTRY = 16
-# Selected entries per program of ``accumulate_selected``: with every head's logits loaded at
-# once, a program holds heads x this many probabilities.
-_SELECTED_BLOCK = 128
+# Selected units ``accumulate_selected`` counts at a time to find where a block's were gathered.
+_SELECTED_BLOCK = 256
 
 
 @triton.jit
@@ -101,19 +100,7 @@ def _gather_slots_kernel(
 
 
 @triton.jit
-def _decay_kernel(EntryCount, Rows, Scores, gamma, stride_sc_row, BLOCK_J: tl.constexpr):
-    batch = tl.program_id(0).to(tl.int64)
-    row_scores = Scores + tl.load(Rows + batch).to(tl.int64) * stride_sc_row
-    count = tl.load(EntryCount + batch)
-    stride = tl.num_programs(1) * BLOCK_J
-    for start in range(tl.program_id(1) * BLOCK_J, count, stride):
-        offs_j = start + tl.arange(0, BLOCK_J)
-        old = tl.load(row_scores + offs_j, mask=offs_j < count, other=0.0)
-        tl.store(row_scores + offs_j, gamma * old, mask=offs_j < count)
-
-
-@triton.jit
-def _add_selected_kernel(
+def _update_selected_kernel(
     Logits,
     Lse,
     Selected,
@@ -121,6 +108,7 @@ def _add_selected_kernel(
     EntryCount,
     Rows,
     Scores,
+    gamma,
     stride_lg_b,
     stride_lg_h,
     stride_selected,
@@ -128,42 +116,45 @@ def _add_selected_kernel(
     NUM_Q_HEADS: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     SPAN: tl.constexpr,
-    BLOCK_UNITS: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_COUNT: tl.constexpr,
 ):
-    # One program per block of a request's selected units: they hold distinct entries, so the
-    # programs never write the same score.
+    # Programs stride over blocks of a request's entries, each decaying its block and adding
+    # what its selected entries received: the units ascend, so the unit at selection index i was
+    # gathered at i * SPAN (only the last can be partial) and a block's selected units are the
+    # BLOCK_J / SPAN at most after those below it.
     batch = tl.program_id(0).to(tl.int64)
-    start = tl.program_id(1) * BLOCK_UNITS
+    count = tl.load(EntryCount + batch)
     num = tl.load(NumSelected + batch)
-    if start < num:
-        count = tl.load(EntryCount + batch)
-        units = Selected + batch * stride_selected
-        # a unit's entries below the count, packed after the units before it (as gathered)
-        written = count * 0
-        for before in range(0, start, BLOCK_UNITS):
-            offs_b = before + tl.arange(0, BLOCK_UNITS)
-            unit = tl.load(units + offs_b, mask=offs_b < num, other=0)
-            span = tl.minimum(tl.maximum(count - unit * SPAN, 0), SPAN)
-            written += tl.sum(tl.where(offs_b < num, span, 0), 0)
-        offs_u = start + tl.arange(0, BLOCK_UNITS)
-        unit = tl.load(units + offs_u, mask=offs_u < num, other=0)
-        first = unit * SPAN
-        valid = tl.where(offs_u < num, tl.minimum(tl.maximum(count - first, 0), SPAN), 0)
-        offs_s = tl.arange(0, SPAN)
-        at = (written + tl.cumsum(valid, 0) - valid)[:, None] + offs_s[None, :]
-        keep = offs_s[None, :] < valid[:, None]
-        offs_h = tl.arange(0, BLOCK_HQ)
-        mask_h = offs_h < NUM_Q_HEADS
-        lse = tl.load(Lse + batch * NUM_Q_HEADS + offs_h, mask=mask_h, other=0.0)
+    units = Selected + batch * stride_selected
+    row_scores = Scores + tl.load(Rows + batch).to(tl.int64) * stride_sc_row
+    offs_h = tl.arange(0, BLOCK_HQ)
+    mask_h = offs_h < NUM_Q_HEADS
+    lse = tl.load(Lse + batch * NUM_Q_HEADS + offs_h, mask=mask_h, other=0.0)
+    WINDOW: tl.constexpr = BLOCK_J // SPAN
+    stride = tl.num_programs(1) * BLOCK_J
+    for start in range(tl.program_id(1) * BLOCK_J, count, stride):
+        offs_j = start + tl.arange(0, BLOCK_J)
+        valid_j = offs_j < count
+        below = num * 0  # selected units before this block's first
+        for at in range(0, num, BLOCK_COUNT):
+            offs_c = at + tl.arange(0, BLOCK_COUNT)
+            unit = tl.load(units + offs_c, mask=offs_c < num, other=0)
+            below += tl.sum(tl.where((offs_c < num) & (unit < start // SPAN), 1, 0), 0)
+        offs_w = below + tl.arange(0, WINDOW)
+        window = tl.load(units + offs_w, mask=offs_w < num, other=-1)
+        match = window[:, None] == (offs_j // SPAN)[None, :]
+        chosen = (tl.sum(match.to(tl.int32), 0) > 0) & valid_j
+        index = tl.sum(tl.where(match, offs_w[:, None], 0), 0)
+        gathered = index * SPAN + offs_j % SPAN
         logits = tl.load(
-            Logits + batch * stride_lg_b + offs_h[:, None, None] * stride_lg_h + at[None, :, :],
-            mask=mask_h[:, None, None] & keep[None, :, :],
+            Logits + batch * stride_lg_b + offs_h[:, None] * stride_lg_h + gathered[None, :],
+            mask=mask_h[:, None] & chosen[None, :],
             other=float("-inf"),
         )
-        received = tl.sum(tl.exp(logits - lse[:, None, None]), 0)
-        entry = Scores + tl.load(Rows + batch).to(tl.int64) * stride_sc_row + first[:, None]
-        entry += offs_s[None, :]
-        tl.store(entry, tl.load(entry, mask=keep, other=0.0) + received, mask=keep)
+        received = tl.sum(tl.exp(logits - lse[:, None]), 0)
+        old = tl.load(row_scores + offs_j, mask=valid_j, other=0.0)
+        tl.store(row_scores + offs_j, gamma * old + received, mask=valid_j)
 
 
 def accumulate(logits, lse, entry_count, rows, scores, gamma) -> None:
@@ -181,21 +172,19 @@ def accumulate_selected(
     logits, lse, selected, num_selected, page_size: int, entry_count, rows, scores, gamma
 ) -> None:
     """RASR's update of a layer that attended only to a selection of the retained entries: every
-    entry j < entry_count[b] of scores[rows[b]] decays by gamma, then each selected entry (units
-    selected[b, :num_selected[b]] of ``page_size`` entries, those below the count) adds the
-    probability it received, summed over heads: exp(logits[b, h, i] - lse[b, h]) with i its
-    index in the selection's gathered table (``gather_selected_slots``'s order)."""
+    entry j < entry_count[b] of scores[rows[b]] decays by gamma and, where selected, adds the
+    probability it received, summed over heads: exp(logits[b, h, i] - lse[b, h]) with i its index
+    in the selection's gathered table (``SlotTable.gather``'s order). The selection is units
+    selected[b, :num_selected[b]] of ``page_size`` entries in ascending order, as the choosers
+    give it outside ART."""
     batch, num_q_heads = lse.shape
-    if gamma != 1:  # a pass of its own: the adding programs each see only their block
-        _decay_kernel[(batch, _PROGRAMS_PER_ENTRY)](
-            entry_count, rows, scores, gamma, scores.stride(0), BLOCK_J=_BLOCK_J
-        )
-    block_units = max(1, _SELECTED_BLOCK // page_size)
-    _add_selected_kernel[(batch, triton.cdiv(selected.shape[1], block_units))](
-        logits, lse, selected, num_selected, entry_count, rows, scores,
+    block_j = max(_BLOCK_J, page_size)
+    assert block_j % page_size == 0, "a block of entries holds whole units"
+    _update_selected_kernel[(batch, _PROGRAMS_PER_ENTRY)](
+        logits, lse, selected, num_selected, entry_count, rows, scores, gamma,
         logits.stride(0), logits.stride(1), selected.stride(0), scores.stride(0),
         NUM_Q_HEADS=num_q_heads, BLOCK_HQ=triton.next_power_of_2(num_q_heads), SPAN=page_size,
-        BLOCK_UNITS=block_units,
+        BLOCK_J=block_j, BLOCK_COUNT=_SELECTED_BLOCK,
     )  # fmt: skip
 
 

@@ -18,7 +18,12 @@ How: stage 1 of the split-KV kernel also stores the scaled logits ([q_heads, rag
 once stage 2 has each head's exact LSE, one fused kernel turns them into probabilities
 (exp(logit - LSE)), takes the max over heads and sums pages. Storing logits (4 B per token per
 query head) costs far less bandwidth than re-reading K (2·head_dim B per token per KV head).
+
+Under an evicting policy (``policies.eviction_selection``) the same pass also makes the
+eviction's RASR update (``RetentionUpdate``): the selection layer's one attention serves both.
 """
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -34,6 +39,17 @@ PAGE_SIZE = 16
 SCORES_BLOCK_T, SCORES_WARPS = 256, 4
 
 
+class RetentionUpdate(NamedTuple):
+    """An evicting policy's RASR update made by a selection layer's scoring pass:
+    scores[rows[b], j] = decay * scores[rows[b], j] + the sum over query heads of the attention
+    probability token j of request b received, for j below its length (``kernels.rasr``'s
+    ``accumulate``). scores [state rows, >= longest] fp32, rows [batch] int64."""
+
+    scores: torch.Tensor
+    rows: torch.Tensor
+    decay: float
+
+
 @triton.jit
 def _scores_kernel(
     Logits,
@@ -42,10 +58,14 @@ def _scores_kernel(
     RowStart,
     TokenScores,
     PageScores,
+    Retained,
+    RetainedRows,
+    decay,
     stride_lg_b,
     stride_lg_h,
     stride_ts_b,
     stride_ps_b,
+    stride_rt_row,
     max_seq_len,
     max_pages,
     NUM_Q_HEADS: tl.constexpr,
@@ -55,6 +75,7 @@ def _scores_kernel(
     USE_PROBS: tl.constexpr,
     WRITE_PAGES: tl.constexpr,
     RAGGED: tl.constexpr,
+    RETAIN: tl.constexpr,
 ):
     batch = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
@@ -79,9 +100,16 @@ def _scores_kernel(
             mask=mask_h[:, None] & valid_t[None, :],
             other=float("-inf"),
         )
-        if USE_PROBS:
+        if USE_PROBS or RETAIN:
             lse = tl.load(Lse + batch * NUM_Q_HEADS + offs_h, mask=mask_h, other=0.0)
-            logits = tl.exp(logits - lse[:, None])
+            probs = tl.exp(logits - lse[:, None])
+            if RETAIN:
+                retained = Retained + tl.load(RetainedRows + batch).to(tl.int64) * stride_rt_row
+                old = tl.load(retained + offs_t, mask=valid_t, other=0.0)
+                received = tl.sum(probs, 0)
+                tl.store(retained + offs_t, decay * old + received, mask=valid_t)
+            if USE_PROBS:
+                logits = probs
         token = tl.where(valid_t, tl.max(logits, 0), float("-inf"))
         tl.store(TokenScores + token_row + offs_t, token, mask=offs_t < token_end)
 
@@ -104,6 +132,7 @@ def score_tokens(
     max_seq_len: int | None = None,
     block_t: int = SCORES_BLOCK_T,
     num_warps: int = SCORES_WARPS,
+    retention: RetentionUpdate | None = None,
 ) -> None:
     """token_scores [batch, T] (and page_scores [batch, ceil(T / 16)] when given) from stage 1's
     logits [batch, q_heads, T] and stage 2's lse [batch, q_heads]: the max over heads of the
@@ -115,7 +144,7 @@ def score_tokens(
     is [q_heads, capacity], token_scores [capacity] and page_scores [capacity / 16]; request b's
     tokens start at column row_start[b], its pages at row_start[b] / 16, and only its own pages
     are written (-inf past its end within its last page); ``max_seq_len`` is the longest request
-    (the grid)."""
+    (the grid). With ``retention`` the same pass makes that RASR update."""
     ragged = row_start is not None
     if ragged:
         num_q_heads, batch = logits.shape[0], row_start.shape[0]
@@ -128,12 +157,15 @@ def score_tokens(
         token_limit = max_seq_len
     pages = token_scores if page_scores is None else page_scores  # an unwritten placeholder
     page_limit = triton.cdiv(token_limit, PAGE_SIZE) if page_scores is None else pages.shape[-1]
+    # unread placeholders without one
+    retained, retained_rows, decay = retention or (token_scores, seq_lens, 1.0)
     _scores_kernel[(batch, triton.cdiv(max_seq_len, block_t))](
         logits, lse, seq_lens, row_start if ragged else seq_lens, token_scores, pages,
-        *lg_strides, ts_stride, ps_stride, token_limit, page_limit,
+        retained, retained_rows, decay,
+        *lg_strides, ts_stride, ps_stride, retained.stride(0), token_limit, page_limit,
         NUM_Q_HEADS=num_q_heads, BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_T=block_t,
         PAGE=PAGE_SIZE, USE_PROBS=use_probs, WRITE_PAGES=page_scores is not None, RAGGED=ragged,
-        num_warps=num_warps,
+        RETAIN=retention is not None, num_warps=num_warps,
     )  # fmt: skip
 
 
@@ -196,12 +228,14 @@ def ragged_selection_attention(
     workspace: SplitKVWorkspace | None = None,
     num_kv_splits: int | None = None,
     out: torch.Tensor | None = None,
+    retention: RetentionUpdate | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A selection layer's full attention with its scores in ``rows``' ragged buffers (placed for
     this batch): (out, token_scores [capacity], page_scores [capacity / 16] or None: page sums
     where ``rows`` has pages), a token's score the max over query heads of its attention
     probability (``use_probs``, DELTA's) or of its scaled logit q·k (TidalDecode's).
-    ``workspace`` or ``num_kv_splits`` as for split_kv_decode."""
+    ``workspace`` or ``num_kv_splits`` as for split_kv_decode; ``retention`` as for
+    score_tokens."""
     out, lse = split_kv_decode(
         q, kv, sm_scale, logits=rows.logits, logits_row_start=rows.row_start,
         num_kv_splits=num_kv_splits, workspace=workspace, out=out,
@@ -209,7 +243,7 @@ def ragged_selection_attention(
     pages = rows.pages
     score_tokens(
         rows.logits, lse, kv.lengths, rows.tokens, pages, use_probs=use_probs,
-        row_start=rows.row_start[: q.shape[0]], max_seq_len=kv.table.shape[1],
+        row_start=rows.row_start[: q.shape[0]], max_seq_len=kv.table.shape[1], retention=retention,
     )  # fmt: skip
     return out, rows.tokens, pages
 
@@ -226,15 +260,20 @@ def _full_attention_ref(q: torch.Tensor, kv: KVView, sm_scale: float, with_value
 
 
 def selection_attention_ref(
-    q: torch.Tensor, kv: KVView, sm_scale: float
+    q: torch.Tensor, kv: KVView, sm_scale: float, retention: RetentionUpdate | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch oracle of a Δ-layer: (out in q's dtype, token_scores [batch, kv.table.shape[1]]
-    fp32 = max over query heads of the softmax probability, -inf past each request's length)."""
+    fp32 = max over query heads of the softmax probability, -inf past each request's length),
+    with ``retention``'s update made in place."""
     out = torch.empty_like(q)
     token_scores = torch.full((q.shape[0], kv.table.shape[1]), float("-inf"), device=q.device)
     for b, (out_b, logits) in enumerate(_full_attention_ref(q, kv, sm_scale)):
         out[b] = out_b.to(q.dtype)
-        token_scores[b, : logits.shape[1]] = torch.softmax(logits, dim=-1).amax(dim=0)
+        probabilities = torch.softmax(logits, dim=-1)
+        token_scores[b, : logits.shape[1]] = probabilities.amax(dim=0)
+        if retention is not None:
+            row = retention.scores[int(retention.rows[b]), : logits.shape[1]]
+            row.mul_(retention.decay).add_(probabilities.sum(dim=0))
     return out, token_scores
 
 

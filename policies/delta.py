@@ -91,6 +91,6 @@ def page_sums(token_scores: torch.Tensor) -> torch.Tensor:
     return sa.page_scores_ref(rows, PAGE_SIZE).view(*token_scores.shape[:-1], -1)
 
 
-def _reference_attention(q, kv, *, sm_scale):
-    out, token_scores = sa.selection_attention_ref(q, kv, sm_scale=sm_scale)
+def _reference_attention(q, kv, *, sm_scale, retention=None):
+    out, token_scores = sa.selection_attention_ref(q, kv, sm_scale, retention)
     return out, token_scores, page_sums(token_scores)

@@ -10,8 +10,9 @@ attention over the selection, which every entry's score decays by and the select
 probabilities are added to (``kernels.rasr.accumulate_selected``): an entry left out of the
 selection is one the layer would have paid little. Scored by the full and selection layers alone
 (a few of the model's), the rounds kept measurably less of what the next steps attend. A
-selection layer runs the eviction's attention, which gives its output and its scores, and the
-selection's scoring attention over the same entries.
+selection layer's one attention over the retained set gives its output, the selection's scores
+and the eviction's (``kernels.selection_attention.RetentionUpdate``: its scoring pass adds each
+entry's probabilities).
 
 The eviction keeps one retained set for every layer (its ``one_set``): gathered into one slot
 table per step, it is what each layer reads (per-layer lists are not composed).
@@ -24,6 +25,7 @@ import functools
 from typing import Any
 
 from sglang_ext.kernels import rasr
+from sglang_ext.kernels.selection_attention import RetentionUpdate
 from sglang_ext.policies.base import DecodeContext, DecodeInputs, KVPolicy, PolicyConfigError
 from sglang_ext.policies.context import DecodeProgram, RetainedKV
 from sglang_ext.policies.lethe.policy import EvictionPolicy
@@ -127,9 +129,14 @@ class EvictedSelection(LetheRuntime):
         decoder = SelectionDecoder(self.policy.name, rule, self.ctx, inputs, selection.budget_field)
 
         def select(q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-            out = self._decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-            decoder.select_decode(q, None, None, layer, forward_batch, save_kv_cache=False)
-            return out
+            # one attention over the retained set: the layer's output, the selection's scores
+            # and the eviction's, whose update its scoring pass makes
+            retention = RetentionUpdate(
+                self.scores[layer.layer_id], self.state_rows[: q.shape[0]], self.eviction.decay
+            )
+            return decoder.select_decode(
+                q, k, v, layer, forward_batch, save_kv_cache, retention=retention
+            )
 
         sparse = functools.partial(self._decode_selected, decoder)
         by_role = {LayerRole.FULL: self._decode, LayerRole.SELECT: select, LayerRole.SPARSE: sparse}

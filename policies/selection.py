@@ -42,7 +42,8 @@ class LayerRole(str, enum.Enum):
 class Selection:
     """How a policy selects: units of ``page_size`` tokens, ``budget`` of them with the last
     ``num_recent`` always kept; ``attend_and_score`` runs a selection layer's full attention and
-    returns (out, token_scores, page_scores or None); ``choose(token_scores, page_scores,
+    returns (out, token_scores, page_scores or None), making an evicting policy's score update
+    where its ``retention`` (a ``kernels.selection_attention.RetentionUpdate``) is given; ``choose(token_scores, page_scores,
     seq_lens, row_budget, out=None)`` returns (selected [batch, budget] int32, num_selected [batch]
     int32), written into ``out`` when given; ``row_budget`` ([batch], or None: ``budget`` for all)
     is each request's own budget."""
@@ -266,9 +267,13 @@ class SelectionDecoder:
     def reads_shared_table(self) -> bool:
         return self._table is not None and self._shares_table
 
-    def select_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def select_decode(
+        self, q, k, v, layer, forward_batch, save_kv_cache=True, retention=None, **kwargs
+    ):  # fmt: skip
         q, kv = self._begin(q, k, v, layer, forward_batch, save_kv_cache)
-        out, token_scores, page_scores = self.rule.attend_and_score(q, kv, sm_scale=layer.scaling)
+        out, token_scores, page_scores = self.rule.attend_and_score(
+            q, kv, sm_scale=layer.scaling, retention=retention
+        )
         if self.ctx.ranks is not None:
             # Each rank scored its own heads; the max over all heads makes every rank select alike.
             token_scores, page_scores = self.ctx.ranks.max(token_scores), None

@@ -169,17 +169,18 @@ def test_one_list_for_every_layer_gathered_once_matches_the_reference(dtype):
 
 
 @pytest.mark.parametrize("gamma", [0.5, 1.0])
-@pytest.mark.parametrize("block", [128, 2])
+@pytest.mark.parametrize("entry_block, count_block", [(128, 256), (8, 2)])
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_a_selection_of_the_retained_entries_scores_as_its_reference(
-    page_size, block, gamma, monkeypatch
+    page_size, entry_block, count_block, gamma, monkeypatch
 ):
     """A sparse layer under eviction: attention over the selected entries (gathered as a
     SlotTable), every entry's score decayed and the selected ones' probabilities added; the last
-    unit runs past a request's entries, and entry 1 plays CUDA-graph padding (no entries). A
-    small block spreads a request's units over programs, each finding where its block's entries
-    were gathered; gamma 1 skips the decay."""
-    monkeypatch.setattr(rasr, "_SELECTED_BLOCK", block)
+    unit runs past a request's entries, and entry 1 plays CUDA-graph padding (no entries). Small
+    blocks spread a request's entries over programs and its units over counting steps, each
+    program finding where its block's selected entries were gathered."""
+    monkeypatch.setattr(rasr, "_BLOCK_J", entry_block)
+    monkeypatch.setattr(rasr, "_SELECTED_BLOCK", count_block)
     dtype = torch.float16
     batch, sm_scale = make_batch(dtype, seq_lens=SEQ_LENS, max_context=MAX_CONTEXT)
     kv = batch["kv"]
@@ -190,7 +191,7 @@ def test_a_selection_of_the_retained_entries_scores_as_its_reference(
     units = -(-45 // page_size)
     selected = torch.zeros(size, 8, dtype=torch.int32, device=DEVICE)
     selected[0, :3] = torch.tensor([0, 3, 30 // page_size - 1])
-    selected[2, :4] = torch.tensor([units - 1, 1, 5, 0])  # the last unit is partial for pages
+    selected[2, :4] = torch.tensor([0, 1, 5, units - 1])  # the last unit is partial for pages
     num_selected = torch.tensor([3, 0, 4, 0], dtype=torch.int32, device=DEVICE)
     state_rows = torch.tensor([2, size + 1, 0], device=DEVICE)  # 5: the trash row
     gen = torch.Generator().manual_seed(3)

@@ -8,6 +8,7 @@ import torch
 from kernel_cases import DEVICE, OUT_TOL, make_batch, selection_scores
 from sglang_ext.kernels.selection_attention import (
     PAGE_SIZE,
+    RetentionUpdate,
     ScoreRows,
     page_scores_ref,
     ragged_selection_attention,
@@ -144,6 +145,34 @@ def test_ragged_rows_hold_each_requests_scores_and_nothing_else(use_probs, with_
             torch.testing.assert_close(page_rows, page_scores_ref(expected[b : b + 1, :seq_len])[0])
     assert tokens[144:].isnan().all()  # past the batch's rows: untouched
     assert pages is None or pages[144 // PAGE_SIZE :].isnan().all()
+
+
+@pytest.mark.parametrize("use_probs", [True, False])
+def test_the_scoring_pass_makes_an_evictions_update(use_probs):
+    # one attention gives a selection layer under eviction its scores and Lethe's: each state
+    # row decays and adds the probability its tokens received, summed over heads; nothing else
+    batch, sm_scale = make_batch(torch.float16)
+    rows = ScoreRows(120, max_batch=4, num_q_heads=6, device=DEVICE, pages=False)
+    rows.place(batch["kv"].lengths)
+    scores = torch.rand(5, 96, device=DEVICE)
+    before, expected = scores.clone(), scores.clone()
+    state_rows = torch.tensor([3, 0, 4], device=DEVICE)
+    out, tokens, _ = ragged_selection_attention(
+        **batch, sm_scale=sm_scale, rows=rows, use_probs=use_probs,
+        retention=RetentionUpdate(scores, state_rows, 0.5),
+    )  # fmt: skip
+    out_ref, _ = selection_attention_ref(
+        **batch, sm_scale=sm_scale, retention=RetentionUpdate(expected, state_rows, 0.5)
+    )
+    torch.testing.assert_close(out, out_ref, **OUT_TOL[torch.float16])
+    torch.testing.assert_close(scores, expected, **SCORE_TOL)
+    num_heads = batch["q"].shape[1]
+    for b, seq_len in enumerate(batch["kv"].lengths.tolist()):
+        row = int(state_rows[b])
+        received = scores[row, :seq_len] - 0.5 * before[row, :seq_len]
+        torch.testing.assert_close(received.sum(), torch.tensor(float(num_heads), device=DEVICE))
+        assert scores[row, seq_len:].equal(before[row, seq_len:])  # past its tokens: untouched
+    assert scores[1:3].equal(before[1:3])  # rows of no request in the batch
 
 
 def test_a_batch_beyond_the_pool_gets_eager_buffers_of_its_size():

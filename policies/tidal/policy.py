@@ -100,8 +100,8 @@ class TidalPolicy(SelectionPolicy):
         )  # fmt: skip
 
 
-def _reference_attention(q, kv, *, sm_scale, score):
-    out, probabilities = sa.selection_attention_ref(q, kv, sm_scale=sm_scale)
+def _reference_attention(q, kv, *, sm_scale, score, retention=None):
+    out, probabilities = sa.selection_attention_ref(q, kv, sm_scale, retention)
     if score == "probability":
         return out, probabilities, None
     return out, sa.tidal_token_scores_ref(q, kv, sm_scale), None
