@@ -32,10 +32,12 @@ Methods, each at every kv ratio R of --kv-ratios (a row's ``budget``):
   does not set them; otherwise once, as the JSON says (its budget then the policy's own).
 - ``full`` (the one-step path itself) and, with --window W, ``window-W``.
 
-``top1_minus_reference`` (and its ``_ci95``): each method's top-1 agreement minus the first
-press's (its run whose KV kept is nearest the method's, same context) on the same positions, and
-the 95 % half-width of that paired mean (normal approximation over positions): methods agree at
-most positions, so a gap of a few positions is within it.
+``top1_minus_reference`` and ``kl_minus_reference`` (and their ``_ci95``): each method's top-1
+agreement and KL minus the first press's (its run whose KV kept is nearest the method's, same
+context) on the same positions, and the 95 % half-width of that paired mean over passages
+(Student's t over each passage's mean difference: a passage's positions share its text, so they
+are not independent samples). Passages: ``attention_trace.natural_text_prompts``, the seed texts'
+starts first, then whole windows further into them.
 
 ``kv_kept_fraction``: per measured position, the share of the positions so far whose KV the method
 held there (mean over layers and KV heads for kvpress), averaged over positions. Compare methods at
@@ -56,6 +58,7 @@ import json
 import time
 
 import torch
+from scipy import stats
 from transformers import AutoTokenizer
 
 from benchmarks import harness
@@ -190,19 +193,24 @@ def readers(args, model) -> dict[tuple[str, str], object]:
     return {**out, **policy_readers(args, model.config.num_hidden_layers, fingerprint)}
 
 
-def measure(args, model_path) -> tuple[dict, str]:
-    """(label, budget, length) -> (top-1 per position, KL per position, share of KV kept per
-    position or []) over every passage; the source."""
+def passages(args, model_path) -> tuple[dict[int, list[list[int]]], str]:
+    """--prompts-per-length passages of each of --lengths, and where they come from."""
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    by_length, source = {}, ""
+    for length in args.lengths:
+        prompts = [length] * args.prompts_per_length
+        by_length[length], source = at.natural_text_prompts(tokenizer, prompts, args.text_dir)
+    return by_length, source
+
+
+def measure(args, model_path, texts_by_length: dict[int, list[list[int]]]) -> dict:
+    """(label, budget, length) -> (top-1 [passages, positions], KL [passages, positions], share
+    of KV kept per position or [])."""
     model = ag.load_model(model_path, torch.float32)
     reads = readers(args, model)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     results: dict[tuple[str, str, int], list[list]] = {}
-    source = ""
-    for length in args.lengths:
+    for length, texts in texts_by_length.items():
         positions = list(range(args.positions_from, length, args.stride))
-        texts, source = at.natural_text_prompts(
-            tokenizer, [length] * args.prompts_per_length, args.text_dir
-        )
         for ids in texts:
             start = time.perf_counter()
             passage = ag.Passage.prefill(model, ids, positions, hidden_states=bool(args.presses))
@@ -221,15 +229,14 @@ def measure(args, model_path) -> tuple[dict, str]:
                 f"{BENCH}: {length}-token passage, {len(positions)} positions in {elapsed:.0f} s",
                 flush=True,
             )
-    merged = {key: (torch.cat(t), torch.cat(k), kept) for key, (t, k, kept) in results.items()}
-    return merged, source
+    return {key: (torch.stack(t), torch.stack(k), kept) for key, (t, k, kept) in results.items()}
 
 
 def means(results: dict, reference: str | None = None) -> dict[tuple[str, str, int], dict]:
     """Per (label, budget, length): each metric's mean over positions and passages (no
     kv_kept_fraction for reads that evict nothing), and, where ``reference`` (a label) was
-    measured at that length, the top-1 difference against its run nearest in KV kept
-    (``paired_top1``)."""
+    measured at that length, the top-1 and KL differences against its run nearest in KV kept
+    (``paired``)."""
     kept_mean = {key: sum(kept) / len(kept) for key, (_, _, kept) in results.items() if kept}
     references = [key for key in kept_mean if key[0] == reference]
     out = {}
@@ -241,16 +248,24 @@ def means(results: dict, reference: str | None = None) -> dict[tuple[str, str, i
         runs = [run for run in references if run[2] == key[2]]
         if key[0] != reference and runs:
             nearest = min(runs, key=lambda run: abs(kept_mean[run] - kept_mean[key]))
-            paired = paired_top1(top1, results[nearest][0])
-            out[key]["top1_minus_reference"], out[key]["top1_minus_reference_ci95"] = paired
+            for name, ours, theirs in (("top1", top1, results[nearest][0]),
+                                       ("kl", kl, results[nearest][1])):  # fmt: skip
+                mean, half_width = paired(ours, theirs)
+                out[key][f"{name}_minus_reference"] = mean
+                if half_width is not None:
+                    out[key][f"{name}_minus_reference_ci95"] = half_width
     return out
 
 
-def paired_top1(top1: torch.Tensor, reference_top1: torch.Tensor) -> tuple[float, float]:
-    """``top1`` minus ``reference_top1`` position by position: (mean, 95 % half-width)."""
-    difference = top1.double() - reference_top1.double()
-    spread = float(difference.std()) if difference.numel() > 1 else 0.0
-    return float(difference.mean()), 1.96 * spread / difference.numel() ** 0.5
+def paired(values: torch.Tensor, reference: torch.Tensor) -> tuple[float, float | None]:
+    """``values`` minus ``reference`` ([passages, positions], the same positions): the mean and
+    the 95 % half-width of the mean over passages (Student's t; None from one passage)."""
+    per_passage = (values.double() - reference.double()).mean(dim=1)
+    count = per_passage.numel()
+    if count < 2:
+        return float(per_passage.mean()), None
+    quantile = float(stats.t.ppf(0.975, count - 1))
+    return float(per_passage.mean()), quantile * float(per_passage.std()) / count**0.5
 
 
 def rows_of(info: RunInfo, shape: str, values: dict) -> list[Row]:
@@ -277,24 +292,28 @@ def markdown(values: dict) -> str:
     """One table: each method at each kv ratio asked, grouped by context and ratio."""
     lines = [
         "| context | kv ratio asked | method | top-1 agreement | top-1 − first press (95 % CI) "
-        "| KL (nats) | KV kept fraction |",
-        "| ---: | ---: | --- | ---: | ---: | ---: | ---: |",
+        "| KL (nats) | KL − first press (95 % CI) | KV kept fraction |",
+        "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     order = sorted(values, key=lambda key: (key[2], _ratio_order(key[1])))
     for label, budget, length in order:
         metric = values[label, budget, length]
         kept = metric.get("kv_kept_fraction")
-        paired = "–"
-        if "top1_minus_reference" in metric:
-            paired = (
-                f"{metric['top1_minus_reference']:+.3f} "
-                f"± {metric['top1_minus_reference_ci95']:.3f}"
-            )
+        top1, kl = (_difference(metric, name) for name in ("top1", "kl"))
         lines.append(
             f"| {length} | {budget or 'all'} | {label} | {metric['top1_agreement']:.4f} "
-            f"| {paired} | {metric['kl_nats']:.4g} | {'–' if kept is None else f'{kept:.4f}'} |"
+            f"| {top1} | {metric['kl_nats']:.4g} | {kl} "
+            f"| {'–' if kept is None else f'{kept:.4f}'} |"
         )
     return "\n".join(lines)
+
+
+def _difference(metric: dict, name: str) -> str:
+    if f"{name}_minus_reference" not in metric:
+        return "–"
+    half_width = metric.get(f"{name}_minus_reference_ci95")
+    spread = "" if half_width is None else f" ± {half_width:.3f}"
+    return f"{metric[f'{name}_minus_reference']:+.3f}{spread}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -302,12 +321,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not all(0 <= args.positions_from < length for length in args.lengths):
         parser.error(f"--positions-from {args.positions_from} must lie inside each of --lengths")
-    files, source = at.text_files(args.text_dir)
-    if args.prompts_per_length > len(files):
-        parser.error(
-            f"--prompts-per-length {args.prompts_per_length}: {source} give {len(files)} "
-            "distinct passages per length"
-        )
     if not all(0 < ratio <= 1 for ratio in args.kv_ratios):
         parser.error(f"--kv-ratios {args.kv_ratios}: each must be in (0, 1]")
     if args.presses and args.compression_interval < 2:
@@ -321,8 +334,12 @@ def main(argv: list[str] | None = None) -> None:
     from sglang_ext.model import default_model_path
 
     model_path = args.model_path or default_model_path()
+    try:
+        texts_by_length, source = passages(args, model_path)
+    except ValueError as error:
+        parser.error(f"--prompts-per-length {args.prompts_per_length}: {error}")
     info = RunInfo.detect()
-    results, source = measure(args, model_path)
+    results = measure(args, model_path, texts_by_length)
     values = means(results, f"kvpress-{args.presses[0]}" if args.presses else None)
     shape = model_slug(model_path)
     harness.save_results(

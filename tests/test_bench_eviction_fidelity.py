@@ -101,20 +101,23 @@ def test_policies_that_evict_nothing_or_bad_parameters_are_refused(text, message
 
 
 def test_more_passages_than_the_texts_give_are_refused(tmp_path, capsys, model_path):
-    """Prompt i + (the number of text files) would start where prompt i did: a passage measured
-    twice would count its positions twice."""
-    for name in ("a", "b"):
-        (tmp_path / f"{name}.txt").write_text(f"{name} is a letter. " * 200)
+    """A passage measured twice would count its positions twice: past each file's start only
+    whole windows further into a file are taken, and asking for more exits 2."""
+    (tmp_path / "a.txt").write_text("a is a letter. " * 30)  # 150 tokens: one 64-token window more
+    (tmp_path / "b.txt").write_text("b is a letter. " * 20)  # 100: its start only
     argv = ["--text-dir", str(tmp_path), "--presses", "", "--policies", "lethe"]
+    argv += ["--lengths", "64", "--positions-from", "32", "--out-dir", str(tmp_path)]
     with pytest.raises(SystemExit) as exit:
-        eviction_fidelity.main([*argv, "--prompts-per-length", "3", "--out-dir", str(tmp_path)])
+        eviction_fidelity.main([*argv, "--prompts-per-length", "4"])
     err = capsys.readouterr().err
-    assert exit.value.code == 2 and "--prompts-per-length 3" in err and "2 distinct" in err, err
+    assert exit.value.code == 2 and "--prompts-per-length 4" in err and "3 distinct" in err, err
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-    first, second = at.natural_text_prompts(tokenizer, [64, 64], tmp_path)[0]
-    assert first != second
-    with pytest.raises(ValueError, match="repeat a passage"):
-        at.natural_text_prompts(tokenizer, [64] * 3, tmp_path)
+    a = tokenizer((tmp_path / "a.txt").read_text(), add_special_tokens=False)["input_ids"]
+    prompts, _ = at.natural_text_prompts(tokenizer, [64] * 3, tmp_path)
+    assert prompts[0] == a[:64] and prompts[2] == a[64:128]  # a's next window, after b's start
+    assert prompts[1][:5] != prompts[0][:5]
+    assert at.passage_starts([150, 100], 64, first_file=1) == [(1, 0), (0, 0), (0, 64)]
+    assert at.passage_starts([300], 100) == [(0, 0), (0, 100), (0, 200)]
 
 
 @pytest.fixture(scope="module")
@@ -239,26 +242,40 @@ def test_by_position_leaves_the_same_entries_in_position_order(passage):
     assert not torch.equal(ranked, ordered)  # top-k's order is not by position
 
 
-def test_a_methods_top1_is_paired_with_the_first_press_at_the_nearest_kept_fraction():
-    """Position by position against the reference run whose KV kept is nearest: the mean
-    difference and its 95 % half-width (1.96 sample std / sqrt(n)); no pairing for the reference,
-    a read that keeps everything, or a context the reference did not run at."""
-    reference = torch.tensor([1.0, 1.0, 0.0, 1.0])
+def test_a_methods_top1_and_kl_are_paired_with_the_first_press_at_the_nearest_kept_fraction():
+    """Passage by passage against the reference run whose KV kept is nearest: the mean
+    difference and its 95 % half-width (Student's t over the passages' mean differences); no
+    pairing for the reference, a read that keeps everything, or a context the reference did not
+    run at; no half-width from one passage."""
+    reference = torch.tensor([[1.0, 1.0], [0.0, 1.0], [1.0, 1.0]])  # [passages, positions]
+    ones, zeros = torch.ones(3, 2), torch.zeros(3, 2)
     results = {
-        ("kvpress-snapkv", "0.3", 64): (reference, torch.zeros(4), [0.3, 0.3]),
-        ("kvpress-snapkv", "0.5", 64): (torch.ones(4), torch.zeros(4), [0.5, 0.5]),
-        ("lethe", "0.27", 64): (torch.tensor([1.0, 0, 1, 1]), torch.zeros(4), [0.3, 0.32]),
-        ("h2o", "compression_ratio 0.5", 64): (torch.zeros(4), torch.zeros(4), [0.52, 0.5]),
-        ("full", "", 64): (torch.ones(4), torch.zeros(4), []),
-        ("lethe", "0.3", 128): (torch.ones(4), torch.zeros(4), [0.3]),
+        ("kvpress-snapkv", "0.3", 64): (reference, 0.1 * ones, [0.3, 0.3]),
+        ("kvpress-snapkv", "0.5", 64): (ones, zeros, [0.5, 0.5]),
+        ("lethe", "0.27", 64): (torch.tensor([[1.0, 0], [1, 1], [1, 1]]), 0.2 * ones, [0.3, 0.32]),
+        ("h2o", "compression_ratio 0.5", 64): (zeros, zeros, [0.52, 0.5]),
+        ("full", "", 64): (ones, zeros, []),
+        ("lethe", "0.3", 128): (ones, zeros, [0.3]),
+        ("kvpress-snapkv", "0.3", 32): (ones[:1], zeros[:1], [0.3]),
+        ("lethe", "0.3", 32): (zeros[:1], zeros[:1], [0.3]),
     }
     values = eviction_fidelity.means(results, "kvpress-snapkv")
     lethe = values["lethe", "0.27", 64]
-    difference = torch.tensor([0.0, -1, 1, 0])  # against the run keeping 0.3, the nearer
+    # against the run keeping 0.3, the nearer: per passage -0.5, +0.5, 0 (std 0.5)
+    t = 4.302652729749464  # Student's t, 97.5 % quantile, 2 degrees of freedom
     assert lethe["top1_minus_reference"] == pytest.approx(0.0)
-    assert lethe["top1_minus_reference_ci95"] == pytest.approx(1.96 * float(difference.std()) / 2)
+    assert lethe["top1_minus_reference_ci95"] == pytest.approx(t * 0.5 / 3**0.5)
+    assert lethe["kl_minus_reference"] == pytest.approx(0.1)
+    assert lethe["kl_minus_reference_ci95"] == pytest.approx(0.0, abs=1e-12)
     h2o = values["h2o", "compression_ratio 0.5", 64]  # no kv ratio in its label: by what it kept
     assert h2o["top1_minus_reference"] == pytest.approx(-1.0)
     unpaired = [("kvpress-snapkv", "0.5", 64), ("full", "", 64), ("lethe", "0.3", 128)]
     for key in unpaired:
         assert "top1_minus_reference" not in values[key], key
+        assert "kl_minus_reference" not in values[key], key
+    one_passage = values["lethe", "0.3", 32]
+    assert one_passage["top1_minus_reference"] == -1.0
+    assert "top1_minus_reference_ci95" not in one_passage
+    table = eviction_fidelity.markdown(values)
+    assert "| +0.000 ± 1.242 |" in table and "| +0.100 ± 0.000 |" in table  # lethe's
+    assert "| -1.000 |" in table  # one passage: no half-width

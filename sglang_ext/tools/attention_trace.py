@@ -215,24 +215,42 @@ def natural_text_prompts(
     tokenizer, lengths: list[int], text_dir: Path = SEED_TEXT_DIR, first_file: int = 0
 ):
     """One prompt of natural text per length, exactly that many tokens, and where the text comes
-    from. Prompt i reads the text files in turn from the (first_file + i)-th on, so prompts start
-    differently (and a calibration can read other text than a benchmark)."""
+    from. Prompt i is the i-th of ``passage_starts`` at its length: the first prompts start
+    at the text files' beginnings in turn from the ``first_file``-th on (so a calibration can
+    read other text than a benchmark), the next ones further into the files, none repeating
+    another's text at the same length."""
     files, source = text_files(text_dir)
-    if len(lengths) > len(files):  # prompt i + len(files) would start where prompt i did
-        raise ValueError(
-            f"{len(lengths)} prompts from {source} ({len(files)} files) would repeat a passage: "
-            f"at most {len(files)}"
-        )
     texts = [tokenizer(f.read_text(), add_special_tokens=False)["input_ids"] for f in files]
+    sizes = [len(text) for text in texts]
     prompts = []
     for i, length in enumerate(lengths):
+        starts = passage_starts(sizes, length, first_file)
+        if i >= len(starts):
+            raise ValueError(
+                f"{i + 1} prompts of {length} tokens from {source} would repeat a passage: "
+                f"they give {len(starts)} distinct ones"
+            )
+        file, offset = starts[i]
         ids: list[int] = []
-        for j in range(len(texts)):
-            ids += texts[(first_file + i + j) % len(texts)]
+        for j in range(len(texts)):  # a file shorter than the prompt runs on into the next
+            ids += texts[(file + j) % len(texts)][offset if j == 0 else 0 :]
         if len(ids) < length:
             raise ValueError(f"{source} hold {len(ids)} tokens, fewer than {length}")
         prompts.append(ids[:length])
     names = [f.name for f in files]
-    start = f"the ({first_file} + i)-th"
-    description = f"{source}: prompt i reads {names} in turn from {start}, cut to its length"
+    description = (
+        f"{source}: prompt i reads {names} in turn from the ({first_file} + i)-th, cut to its "
+        "length, and past one per file, whole windows further into the files"
+    )
     return prompts, description
+
+
+def passage_starts(sizes: list[int], length: int, first_file: int = 0) -> list[tuple[int, int]]:
+    """(file, token offset) of each distinct ``length``-token passage of texts of ``sizes``
+    tokens, in the order prompts take them: every file's start from ``first_file`` on, then the
+    windows at offsets length, 2 * length, … of each file that hold wholly inside it."""
+    order = [(first_file + i) % len(sizes) for i in range(len(sizes))]
+    starts = [(file, 0) for file in order]
+    for k in range(1, max(sizes, default=0) // max(length, 1)):
+        starts += [(file, k * length) for file in order if (k + 1) * length <= sizes[file]]
+    return starts
