@@ -43,10 +43,10 @@ class Selection:
     """How a policy selects: units of ``page_size`` tokens, ``budget`` of them with the last
     ``num_recent`` always kept; ``attend_and_score`` runs a selection layer's full attention and
     returns (out, token_scores, page_scores or None), making an evicting policy's score update
-    where its ``retention`` (a ``kernels.selection_attention.RetentionUpdate``) is given; ``choose(token_scores, page_scores,
-    seq_lens, row_budget, out=None)`` returns (selected [batch, budget] int32, num_selected [batch]
-    int32), written into ``out`` when given; ``row_budget`` ([batch], or None: ``budget`` for all)
-    is each request's own budget."""
+    where its ``retention`` (a ``kernels.selection_attention.RetentionUpdate``) is given;
+    ``choose(token_scores, page_scores, seq_lens, row_budget, out=None)`` returns (selected
+    [batch, budget] int32, num_selected [batch] int32), written into ``out`` when given;
+    ``row_budget`` ([batch], or None: ``budget`` for all) is each request's own budget."""
 
     unit: str  # "pages" or "tokens", for logs
     page_size: int
