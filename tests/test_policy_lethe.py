@@ -23,7 +23,7 @@ def test_out_of_range_parameters_name_the_field(field, value):
 def test_defaults_are_per_layer_lists_with_a_core_and_one_set_under_a_selection():
     policy = build_policy("lethe")
     assert policy.per_layer_lists() and policy.sparse_ratio is None  # no breakpoints
-    assert (policy.recent(), policy.decay, policy.interval(), policy.core()) == (0.5, 1.0, 64, 0.5)
+    assert (policy.recent(), policy.decay, policy.interval(), policy.core()) == (0.5, 0.99, 64, 0.5)
     one = policy.one_set()  # what a selection composed over it reads
     assert not one.per_layer_lists() and (one.recent(), one.interval(), one.core()) == (0.3, None, 0)
     # a parameter set holds in either layout; round_interval 0 asks for the threshold cadence
