@@ -26,7 +26,7 @@ from benchmarks.harness import RunInfo
 BENCH = "lethe_quality"
 ROUND = re.compile(
     r"lethe round \d+ of (\w+): (\d+) positions, .* retained (\d+) \(.*"
-    r"retained per layer \[([\d, ]+)\]"
+    r"retained per list \[([\d, ]+)\]"
 )
 
 

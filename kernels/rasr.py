@@ -46,16 +46,23 @@ def _accumulate_kernel(
     stride_lg_b,
     stride_lg_h,
     stride_sc_row,
+    stride_sc_list,
+    stride_ec_b,
+    stride_ec_list,
     NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_J: tl.constexpr,
 ):
+    # program (entry, part, list): a list's scores sum the probabilities of its GROUP query heads
     batch = tl.program_id(0).to(tl.int64)
+    head_list = tl.program_id(2)
     row = tl.load(Rows + batch).to(tl.int64)
-    count = tl.load(EntryCount + batch)
-    offs_h = tl.arange(0, BLOCK_HQ)
-    mask_h = offs_h < NUM_Q_HEADS
+    count = tl.load(EntryCount + batch * stride_ec_b + head_list * stride_ec_list)
+    offs_h = head_list * GROUP + tl.arange(0, BLOCK_HQ)
+    mask_h = tl.arange(0, BLOCK_HQ) < GROUP
     lse = tl.load(Lse + batch * NUM_Q_HEADS + offs_h, mask=mask_h, other=0.0)
+    row_scores = Scores + row * stride_sc_row + head_list * stride_sc_list
     stride = tl.num_programs(1) * BLOCK_J
     for start in range(tl.program_id(1) * BLOCK_J, count, stride):
         offs_j = start + tl.arange(0, BLOCK_J)
@@ -66,8 +73,8 @@ def _accumulate_kernel(
             other=float("-inf"),
         )
         received = tl.sum(tl.exp(logits - lse[:, None]), 0)
-        old = tl.load(Scores + row * stride_sc_row + offs_j, mask=valid_j, other=0.0)
-        tl.store(Scores + row * stride_sc_row + offs_j, gamma * old + received, mask=valid_j)
+        old = tl.load(row_scores + offs_j, mask=valid_j, other=0.0)
+        tl.store(row_scores + offs_j, gamma * old + received, mask=valid_j)
 
 
 @triton.jit
@@ -159,12 +166,18 @@ def _update_selected_kernel(
 
 def accumulate(logits, lse, entry_count, rows, scores, gamma) -> None:
     """scores[rows[b], j] = gamma * scores[rows[b], j] + sum over heads of exp(logits[b, :, j] -
-    lse[b]), for j < entry_count[b]."""
+    lse[b]), for j < entry_count[b]. Lists per KV head (``scores`` [rows, KV heads, n],
+    ``entry_count`` [>= batch, KV heads]): list h sums its query group's heads only."""
     batch, num_q_heads = lse.shape
-    _accumulate_kernel[(batch, _PROGRAMS_PER_ENTRY)](
+    per_head = scores.dim() == 3
+    lists = scores.shape[1] if per_head else 1
+    _accumulate_kernel[(batch, _PROGRAMS_PER_ENTRY, lists)](
         logits, lse, entry_count, rows, scores, gamma,
         logits.stride(0), logits.stride(1), scores.stride(0),
-        NUM_Q_HEADS=num_q_heads, BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_J=_BLOCK_J,
+        scores.stride(1) if per_head else 0, entry_count.stride(0),
+        entry_count.stride(1) if per_head else 0,
+        NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // lists,
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads // lists), BLOCK_J=_BLOCK_J,
     )  # fmt: skip
 
 
@@ -254,16 +267,30 @@ def shared_retained_decode_ref(
     gamma: float,
 ) -> torch.Tensor:
     """Torch oracle of shared_retained_decode (and the CPU engine's path under per-layer
-    memory), fp32; an entry with count 0 (padding) gets zeros."""
+    memory), fp32; an entry with count 0 (padding) gets zeros. A table per KV head (``kv.table``
+    [rows, KV heads, n], ``kv.lengths`` [>= batch, KV heads], ``scores`` [rows, KV heads, n]):
+    each KV head's query group attends over its own list of rows, head h of each."""
     batch = q.shape[0]
     out = torch.zeros_like(q)
-    rows = zip(kv.rows[:batch].tolist(), kv.lengths[:batch].tolist(), state_rows.tolist())
-    for b, (table_row, n, state_row) in enumerate(rows):
-        if n == 0:
-            continue
-        slots = kv.table[table_row, :n].long()
-        kept_scores = scores[state_row, :n]
-        out[b] = _attend_and_score(q[b], kv, slots, sm_scale, kept_scores, gamma)
+    if kv.table.dim() == 2:  # every KV head reads the same list: one list of all heads
+        table, lengths, scores = kv.table[:, None], kv.lengths[:, None], scores[:, None]
+        heads = [(slice(None), slice(None))]  # (KV heads, query heads)
+    else:
+        table, lengths = kv.table, kv.lengths
+        group = q.shape[1] // table.shape[1]
+        heads = [
+            (slice(h, h + 1), slice(h * group, (h + 1) * group)) for h in range(table.shape[1])
+        ]
+    rows = zip(kv.rows[:batch].tolist(), lengths[:batch].tolist(), state_rows.tolist())
+    for b, (table_row, counts, state_row) in enumerate(rows):
+        for h, ((kv_heads, q_heads), n) in enumerate(zip(heads, counts, strict=True)):
+            if n == 0:
+                continue
+            slots = table[table_row, h, :n].long()
+            out[b, q_heads] = _attend_and_score(
+                q[b, q_heads], kv.k[:, kv_heads], kv.v[:, kv_heads], slots, sm_scale,
+                scores[state_row, h, :n], gamma,
+            )  # fmt: skip
     return out
 
 
@@ -327,26 +354,28 @@ def retained_decode_ref(
             continue
         slots = kv.table[slots_row, positions[row, :n].long()].long()
         kept_scores = scores[row, :n]
-        out[b] = _attend_and_score(q[b], kv, slots, sm_scale, kept_scores, gamma)
+        out[b] = _attend_and_score(q[b], kv.k, kv.v, slots, sm_scale, kept_scores, gamma)
     return out
 
 
-def _attend_and_score(q, kv: KVView, slots, sm_scale: float, scores, gamma: float):
-    """One request's attention over ``slots`` of kv's buffers (fp32) and its RASR update of
+def _attend_and_score(q, k, v, slots, sm_scale: float, scores, gamma: float):
+    """One request's attention over ``slots`` of buffers k and v (fp32) and its RASR update of
     ``scores`` (a view of its entries' scores, in place); the output in q's dtype."""
-    out, logits = attend_positions_ref(q, kv.k, kv.v, slots, sm_scale)
+    out, logits = attend_positions_ref(q, k, v, slots, sm_scale)
     scores.mul_(gamma).add_(torch.softmax(logits, dim=-1).sum(dim=0))
     return out.to(q.dtype)
 
 
 def window_scores(
-    queries: torch.Tensor, keys: torch.Tensor, seq_len: int, sm_scale: float
-) -> torch.Tensor:
+    queries: torch.Tensor, keys: torch.Tensor, seq_len: int, sm_scale: float,
+    per_kv_head: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """The attention the last prompt tokens pay to each of a request's tokens, summed over query
     heads and those queries, causal (Lethe Eq. 2 over a prefill's observation window).
 
     queries [n, q_heads, dim] are the queries of positions seq_len - n .. seq_len - 1; keys
-    [seq_len, kv_heads, dim]. Returns [seq_len] fp32. Torch on every device: it runs once per
+    [seq_len, kv_heads, dim]. Returns [seq_len] fp32, or with ``per_kv_head`` [kv_heads, seq_len]
+    (each KV head's query group summed apart). Torch on every device: it runs once per
     request and layer at prefill, over n x seq_len logits. Under tensor parallelism this is one
     rank's heads' share: sum the ranks' before ``pool_neighbours``.
     """
@@ -357,14 +386,18 @@ def window_scores(
     query_pos = torch.arange(seq_len - n, seq_len, device=queries.device)
     future = torch.arange(seq_len, device=queries.device)[None, :] > query_pos[:, None]
     logits = logits.masked_fill(future, float("-inf"))
-    return torch.softmax(logits, dim=-1).sum(dim=(0, 1))
+    probabilities = torch.softmax(logits, dim=-1)
+    if per_kv_head:
+        return probabilities.view(keys.shape[1], -1, seq_len).sum(1)
+    return probabilities.sum(dim=(0, 1))
 
 
 def pool_neighbours(scores: torch.Tensor, pool: int) -> torch.Tensor:
-    """Each token's score raised to its ``pool`` neighbours' best. A question attends to a
-    record's key, its answer then needs the value beside it (SnapKV's clustering, by max)."""
+    """Each token's score raised to its ``pool`` neighbours' best, along the last dimension. A
+    question attends to a record's key, its answer then needs the value beside it (SnapKV's
+    clustering, by max)."""
     if pool <= 1:
         return scores
-    return torch.nn.functional.max_pool1d(
-        scores[None, None], pool, stride=1, padding=pool // 2
-    )[0, 0, : scores.shape[0]]
+    rows = scores.reshape(-1, 1, scores.shape[-1])
+    pooled = torch.nn.functional.max_pool1d(rows, pool, stride=1, padding=pool // 2)
+    return pooled[:, 0, : scores.shape[-1]].view_as(scores)

@@ -104,6 +104,9 @@ def _stage1(
     stride_v_slot,
     stride_v_head,
     stride_r2t,
+    stride_r2t_head,
+    stride_len_b,
+    stride_len_head,
     stride_sel,
     stride_mid_b,
     stride_mid_h,
@@ -142,11 +145,13 @@ def _stage1(
     mask_d = offs_d < HEAD_DIM
 
     row = tl.load(ReqPoolIdx + batch).to(tl.int64)
+    # a table per KV head (lists per KV head) has a head stride, and lengths per head; a table
+    # every head reads has stride 0
     if LENGTH_AT_ROW:  # lengths by table row: several tables in one storage (SharedSlotTables)
-        seq_len = tl.load(SeqLens + row)
+        seq_len = tl.load(SeqLens + row * stride_len_b + kv_head * stride_len_head)
     else:
-        seq_len = tl.load(SeqLens + batch)
-    req_row = ReqToToken + row * stride_r2t
+        seq_len = tl.load(SeqLens + batch * stride_len_b + kv_head * stride_len_head)
+    req_row = ReqToToken + row * stride_r2t + kv_head * stride_r2t_head
     # Virtual token n is logical position n, or token n % SPAN of selected entry n // SPAN.
     if SELECTED_SPAN > 0:
         length = tl.load(NumSelected + batch) * SELECTED_SPAN
@@ -394,7 +399,9 @@ def split_kv_decode(
     p is at column logits_row_start[b] + p (stored below capacity). `num_kv_splits` defaults to
     num_kv_splits_for's choice (the workspace's, with one); a `workspace` supplies the scratch.
     `launch` defaults to STAGE1_SELECTED with a selection, else STAGE1_WHOLE. With
-    `lengths_by_row` request b's length is kv.lengths[kv.rows[b]], not kv.lengths[b].
+    `lengths_by_row` request b's length is kv.lengths[kv.rows[b]], not kv.lengths[b]. A table
+    per KV head (``kv.table`` [rows, KV heads, n], ``kv.lengths`` [>= batch, KV heads]): KV head
+    h of request b reads its own row ``kv.table[kv.rows[b], h]`` and length ``kv.lengths[b, h]``.
     """
     batch, num_q_heads, head_dim = q.shape
     k_buffer, v_buffer, table, rows, lengths = kv.k, kv.v, kv.table, kv.rows, kv.lengths
@@ -432,7 +439,9 @@ def split_kv_decode(
         selected_arg, rows_arg, num_selected if sparse else lengths, mid_out, mid_lse, logits_arg,
         logits_row_start if ragged else lengths, out, lse, arrivals, sm_scale,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
-        v_buffer.stride(0), v_buffer.stride(1), table.stride(0), selected_arg.stride(0),
+        v_buffer.stride(0), v_buffer.stride(1), table.stride(0),
+        table.stride(1) if table.dim() == 3 else 0, lengths.stride(0),
+        lengths.stride(1) if lengths.dim() == 2 else 0, selected_arg.stride(0),
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         lg_stride_b, lg_stride_h, out.stride(0), out.stride(1), logits_arg.shape[-1],

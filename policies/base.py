@@ -114,7 +114,9 @@ class KVPolicy:
         """SGLang flags the launcher adds where the user gave none (None: a flag without value)."""
         return {}
 
-    def request_state_bytes(self, num_layers: int, num_q_heads: int, context_len: int) -> int:
+    def request_state_bytes(
+        self, num_layers: int, num_q_heads: int, num_kv_heads: int, context_len: int
+    ) -> int:
         """Device bytes its runtime owns per SGLang request slot at ``context_len`` positions (0:
         none that grow with the slots). The engine takes them out of the KV pool's budget and
         sizes the request pool so that they fit (``sglang_ext.engine.memory``)."""

@@ -85,8 +85,12 @@ class SelectionOverEviction(KVPolicy):
     def server_defaults(self) -> dict[str, str | None]:
         return {**self.selection.server_defaults(), **self.eviction.server_defaults()}
 
-    def request_state_bytes(self, num_layers: int, num_q_heads: int, context_len: int) -> int:
-        return self.eviction.request_state_bytes(num_layers, num_q_heads, context_len)
+    def request_state_bytes(
+        self, num_layers: int, num_q_heads: int, num_kv_heads: int, context_len: int
+    ) -> int:
+        return self.eviction.request_state_bytes(
+            num_layers, num_q_heads, num_kv_heads, context_len
+        )
 
     def budget(self) -> str:
         return f"{self.eviction.budget()}; {self.selection.name}: {self.selection.budget()}"

@@ -89,11 +89,12 @@ class PolicyMix(KVPolicy):
             defaults.update(member.server_defaults())
         return defaults
 
-    def request_state_bytes(self, num_layers: int, num_q_heads: int, context_len: int) -> int:
+    def request_state_bytes(
+        self, num_layers: int, num_q_heads: int, num_kv_heads: int, context_len: int
+    ) -> int:
         # each member's runtime owns its own state
-        return sum(
-            m.request_state_bytes(num_layers, num_q_heads, context_len) for m in self.members
-        )
+        heads = (num_q_heads, num_kv_heads)
+        return sum(m.request_state_bytes(num_layers, *heads, context_len) for m in self.members)
 
     def attended_tokens(self, seq_len: int, num_layers: int) -> float:
         # a batch whose requests name the members in turn (the benchmarks' mixed batches); each

@@ -184,3 +184,29 @@ def test_lethe_after_rounds_reads_its_retained_sets_and_holds_its_budget(passage
     # the measure is repeatable: a passage measured again replays the same decode from its prompt
     again, kl_again = text.measure(model, reads)
     assert torch.equal(kl, kl_again) and reads.take_kept() == kept
+
+
+def test_lists_per_kv_head_read_each_query_group_its_heads_list(passage):
+    """Before a round every head reads everything (full attention's step); after rounds each
+    query group reads its KV head's own retained tokens, and the heads of a layer differ."""
+    from sglang_ext.policies import build_policy
+
+    model, text = passage
+    layers = model.config.num_hidden_layers
+    untouched = build_policy("lethe", {"evict_threshold": 1000, "per_kv_head": True})
+    top1, kl = text.measure(model, ag.LetheReads(untouched, layers, prompt_len=200))
+    assert bool((top1 == 1).all()) and float(kl.max()) < 1e-6
+    lethe = build_policy("lethe", {"evict_threshold": 64, "max_kv_ratio": 0.3, "per_kv_head": True})
+    reads = ag.LetheReads(lethe, layers, prompt_len=200)
+    _, kl = text.measure(model, reads)
+    assert all(share < 0.5 for share in reads.take_kept()) and float(kl.mean()) > 1e-4
+    runtime, heads = reads._runtime, model.config.num_key_value_heads
+    q_heads = model.config.num_attention_heads
+    mask = reads.tokens(3, torch.zeros(q_heads, 384))
+    group = q_heads // heads
+    lists = [runtime.positions[3 * heads + h, reads.ROW, : runtime.count[3 * heads + h, reads.ROW]]
+             for h in range(heads)]  # fmt: skip
+    for h, kept in enumerate(lists):
+        assert torch.equal(mask[h * group].nonzero().squeeze(1), kept.long().sort().values)
+        assert bool((mask[h * group : (h + 1) * group] == mask[h * group]).all())
+    assert any(not torch.equal(lists[0].sort().values, other.sort().values) for other in lists[1:])

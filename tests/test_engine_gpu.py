@@ -51,6 +51,10 @@ CONFIGS = {
     "lethe_layers": ("lethe", {
         "evict_threshold": THRESHOLD, "max_kv_ratio": MAX_KV_RATIO, "sparse_ratio": 2.0,
     }, []),
+    # lists per KV head: each head's list a table of its own, head h of each row
+    "lethe_heads": ("lethe", {
+        "evict_threshold": THRESHOLD, "max_kv_ratio": MAX_KV_RATIO, "per_kv_head": True,
+    }, []),
     # the public decode-time scorers on Lethe's runtime, each request naming its own
     "scorers": ("snapkv,tova,h2o", {
         name: {"compression_ratio": 0.7, "compression_interval": 64}
@@ -201,8 +205,9 @@ def test_small_budgets_attend_to_their_selection_and_answer(servers, name):
 
 @pytest.mark.parametrize(
     "name, spec",
-    [("lethe", None), ("lethe_layers", None), ("scorers", "snapkv"), ("scorers", "tova"),
-     ("scorers", "h2o"), ("composed", "lethe+tidal"), ("composed", "lethe+delta")],
+    [("lethe", None), ("lethe_layers", None), ("lethe_heads", None), ("scorers", "snapkv"),
+     ("scorers", "tova"), ("scorers", "h2o"), ("composed", "lethe+tidal"),
+     ("composed", "lethe+delta")],
 )  # fmt: skip
 def test_evicting_policies_free_slots_in_rounds_and_the_pool_stays_exact(servers, name, spec):
     needs(servers, name)

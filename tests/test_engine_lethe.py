@@ -19,7 +19,7 @@ THRESHOLD = 128
 MAX_KV_RATIO = 0.3
 ROUND = re.compile(
     r"lethe round (\d+) of (\w+): (\d+) positions, freed (\d+) slots, "
-    r"retained (\d+) \(radix-owned (\d+)\), next threshold \d+, retained per layer \[([\d, ]+)\]"
+    r"retained (\d+) \(radix-owned (\d+)\), next threshold \d+, retained per list \[([\d, ]+)\]"
 )
 # the requests pruned at one step give their slots back in one call
 FREED = re.compile(
@@ -36,6 +36,11 @@ SERVERS = {
     # per-layer lists (the paper's rule) with per-layer memory: each layer keeps its own tokens
     "layers": (
         {"evict_threshold": THRESHOLD, "max_kv_ratio": MAX_KV_RATIO, "sparse_ratio": 2.0},
+        ["--max-total-tokens", "16384", "--enable-metrics"],
+    ),
+    # lists per KV head (Lethe's default rule otherwise): each head of a layer its own tokens
+    "heads": (
+        {"evict_threshold": THRESHOLD, "max_kv_ratio": MAX_KV_RATIO, "per_kv_head": True},
         ["--max-total-tokens", "16384", "--enable-metrics"],
     ),
     # pools too small for 4 requests x 325 tokens at their full length
@@ -153,7 +158,28 @@ def test_per_layer_memory_holds_the_sum_of_the_layers_lists(servers):
     assert_pool_exact(server)
 
 
-@pytest.mark.parametrize("name", ["lethe", "layers"])
+def test_lists_per_kv_head_hold_the_most_any_heads_lists_need(servers, model_path):
+    server = servers["heads"]
+    heads = transformers.AutoConfig.from_pretrained(model_path).num_key_value_heads
+    out, rounds = story_with_rounds(server)
+    for m in rounds:
+        positions, freed, retained, radix_owned = round_numbers(m)
+        per_list = [int(n) for n in m[7].split(",")]  # layer-major: (layer, KV head)
+        layers = len(per_list) // heads
+        assert len(per_list) == layers * heads and max(per_list) <= math.ceil(
+            MAX_KV_RATIO * positions
+        )  # fmt: skip
+        per_head = [sum(per_list[h::heads]) for h in range(heads)]
+        assert retained == max(math.ceil(n / layers) for n in per_head)
+    assert out["meta_info"]["completion_tokens"] == 300
+    layer_gauges = re.findall(
+        r'^sglang_ext:retained_kv_entries_per_layer{[^}]*layer="(\d+)"', server.metrics(), re.M
+    )
+    assert len(layer_gauges) == layers  # a layer's longest list, per layer
+    assert_pool_exact(server)
+
+
+@pytest.mark.parametrize("name", ["lethe", "layers", "heads"])
 def test_abort_mid_stream_after_rounds_leaks_nothing(servers, name):
     server = servers[name]
     body = {"text": STORY, "stream": True,

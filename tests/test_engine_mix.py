@@ -116,7 +116,7 @@ def test_a_prefix_shared_by_a_full_and_a_lethe_request_is_never_freed(servers):
 
 SCORER_ROUND = re.compile(
     r"(\w+) round \d+ of (\w+): (\d+) positions, freed \d+ slots, retained (\d+) "
-    r"\(radix-owned (\d+)\), next threshold \d+, retained per layer \[([\d, ]+)\]"
+    r"\(radix-owned (\d+)\), next threshold \d+, retained per list \[([\d, ]+)\]"
 )
 
 

@@ -3,6 +3,8 @@
 Without CUDA the kernel runs under Triton's interpreter on CPU tensors (conftest.py).
 """
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_cases import DEVICE, OUT_TOL, make_batch
@@ -244,3 +246,63 @@ def test_pooling_gives_each_token_its_neighbours_best_score():
     torch.testing.assert_close(pool_neighbours(scores, 3), torch.tensor([5.0, 5, 5, 0, 1, 1, 1]))
     torch.testing.assert_close(pool_neighbours(scores, 5), torch.tensor([5.0, 5, 5, 5, 1, 1, 1]))
     assert pool_neighbours(scores, 1) is scores
+
+
+def per_head_case(dtype, head_lists):
+    """A table per KV head (lists per KV head): request b's KV head h reads the slots of
+    positions ``head_lists[h][b]``; its scores a list per head. Returns the batch, its table
+    [rows, KV heads, n] and lengths [batch, KV heads] by request slot, the scores, the rows."""
+    batch, sm_scale = make_batch(dtype, seq_lens=SEQ_LENS, max_context=MAX_CONTEXT)
+    kv = batch["kv"]
+    num_rows, heads = kv.table.shape[0], kv.k.shape[1]
+    table = torch.zeros(num_rows, heads, MAX_CONTEXT, dtype=torch.int32, device=DEVICE)
+    lengths = torch.zeros(len(SEQ_LENS), heads, dtype=torch.int32, device=DEVICE)
+    rows = kv.rows.long()
+    for h, lists in enumerate(head_lists):
+        for b, (row, kept) in enumerate(zip(rows.tolist(), lists, strict=True)):
+            table[row, h, : len(kept)] = kv.table[row, kept]
+            lengths[b, h] = len(kept)
+    gen = torch.Generator().manual_seed(2)
+    scores = torch.rand(num_rows, heads, MAX_CONTEXT, generator=gen).to(DEVICE)
+    return batch, sm_scale, kv.through(table, rows, lengths), scores, rows
+
+
+HEAD_LISTS = [
+    [[0, 4], [0, 1, 2, 3, 20, 30, 36], [0, 1, *range(40, 70)]],
+    [[1, 2, 3], [5, 36], [*range(0, 60, 3), 69]],
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_table_per_kv_head_matches_its_reference(dtype):
+    batch, sm_scale, kv, scores, rows = per_head_case(dtype, HEAD_LISTS)
+    scores_ref = scores.clone()
+    logits = torch.empty(len(SEQ_LENS), batch["q"].shape[1], MAX_CONTEXT, device=DEVICE)
+    out = shared_retained_decode(batch["q"], kv, scores, rows, sm_scale, 0.5, logits)
+    out_ref = shared_retained_decode_ref(batch["q"], kv, scores_ref, rows, sm_scale, 0.5)
+    torch.testing.assert_close(out, out_ref, **OUT_TOL[dtype])
+    torch.testing.assert_close(scores, scores_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_each_kv_heads_list_is_what_its_query_group_reads_and_scores():
+    """Per KV head, the reference is the one-list reference over that head's list, for its
+    query group; each head's scores gain its group's probabilities only (they sum to the
+    group's size)."""
+    batch, sm_scale, kv, scores, rows = per_head_case(torch.float32, HEAD_LISTS)
+    before = scores.clone()
+    out = shared_retained_decode_ref(batch["q"], kv, scores, rows, sm_scale, 0.5)
+    heads = kv.k.shape[1]
+    group = batch["q"].shape[1] // heads
+    for h in range(heads):
+        one_list = kv.through(kv.table[:, h], rows, kv.lengths[:, h].contiguous())
+        q_heads = slice(h * group, (h + 1) * group)
+        alone = shared_retained_decode_ref(
+            batch["q"][:, q_heads], dataclasses.replace(
+                one_list, k=kv.k[:, h : h + 1], v=kv.v[:, h : h + 1]
+            ), before[:, h].clone(), rows, sm_scale, 0.5,
+        )  # fmt: skip
+        torch.testing.assert_close(out[:, q_heads], alone)
+        for b, row in enumerate(rows.tolist()):
+            n = int(kv.lengths[b, h])
+            gained = scores[row, h, :n].sum() - 0.5 * before[row, h, :n].sum()
+            assert gained.item() == pytest.approx(group, rel=1e-4)

@@ -16,6 +16,7 @@ from sglang_ext.policies.lethe.layer_memory import PoolLayoutError, pooled_buffe
 from test_lethe_runtime import HOLE, Pool, runtime_for, step
 
 PER_LAYER = {"sparse_ratio": 1.5, "max_kv_ratio": 0.3}
+PER_KV_HEAD = {**PER_LAYER, "per_kv_head": True}
 
 
 def rounded(cache, runtime, request, protected_len=0):
@@ -23,7 +24,7 @@ def rounded(cache, runtime, request, protected_len=0):
     request holds. Returns the K/V each layer's kept positions had before it, and the pool."""
     row, length = request.row, request.seq_len - 1
     gen = torch.Generator().manual_seed(3)
-    runtime.scores[:, row, :length] = torch.rand(cache.num_layers, length, generator=gen) ** 8
+    runtime.scores[:, row, :length] = torch.rand(runtime.num_lists, length, generator=gen) ** 8
     slots = cache.req_to_token[row, :length].long().clone()
     before = [(cache.keys[layer][slots].clone(), cache.values[layer][slots].clone())
               for layer in range(cache.num_layers)]  # fmt: skip
@@ -33,10 +34,11 @@ def rounded(cache, runtime, request, protected_len=0):
 
 
 def entries(runtime, row):
+    """Each list's (positions, rows): a list per layer, or per (layer, KV head)."""
     counts = runtime.count[:, row].tolist()
     return [
-        (runtime.positions[layer, row, :n].long(), runtime.layer_rows[layer, row, :n].long())
-        for layer, n in enumerate(counts)
+        (runtime.positions[i, row, :n].long(), runtime.layer_rows[i, row, :n].long())
+        for i, n in enumerate(counts)
     ]
 
 
@@ -152,8 +154,8 @@ def test_each_layers_entries_are_counted_and_a_step_attends_their_mean():
 
 @pytest.mark.parametrize(
     "params",
-    [{}, PER_LAYER, {**PER_LAYER, "pack_layers": False}],
-    ids=["one-set", "per-layer-packed", "per-layer-union"],
+    [{}, PER_LAYER, {**PER_LAYER, "pack_layers": False}, PER_KV_HEAD],
+    ids=["one-set", "per-layer-packed", "per-layer-union", "per-kv-head"],
 )
 @pytest.mark.parametrize("round_entries", [None, 1000], ids=["one-batch", "two-batches"])
 def test_a_batched_round_ends_as_each_requests_round_alone(params, round_entries, monkeypatch):
@@ -170,7 +172,7 @@ def test_a_batched_round_ends_as_each_requests_round_alone(params, round_entries
         requests[1] = dataclasses.replace(requests[1], protected_len=32)
         gen = torch.Generator().manual_seed(5)
         for request in requests:
-            scores = torch.rand(3, request.seq_len - 1, generator=gen) ** 8
+            scores = torch.rand(runtime.num_lists, request.seq_len - 1, generator=gen) ** 8
             runtime.scores[:, request.row, : request.seq_len - 1] = scores.to(DEVICE)
         lengths = [request.seq_len - 1 for request in requests]
         pool = Pool()
@@ -208,7 +210,9 @@ def test_a_cap_below_the_sinks_and_recent_window_still_packs_every_row_right():
         assert torch.equal(runtime.pooled.values[rows], values[positions])
 
 
-@pytest.mark.parametrize("params", [{}, PER_LAYER], ids=["one-set", "per-layer"])
+@pytest.mark.parametrize(
+    "params", [{}, PER_LAYER, PER_KV_HEAD], ids=["one-set", "per-layer", "per-kv-head"]
+)
 def test_the_state_the_engine_pays_for_per_request_slot_is_what_the_runtime_allocates(params):
     cache = Cache(num_layers=3, seq_lens=(40, 12), device=DEVICE)
     runtime = runtime_for(cache, **params)
@@ -221,7 +225,9 @@ def test_the_state_the_engine_pays_for_per_request_slot_is_what_the_runtime_allo
     allocated = sum(t.nbytes for t in per_row if t is not None)
     # the decode scratch is per batch row (as many as the request slots in the engine)
     heads = cache.Q_HEADS if runtime._logits is not None else 0
-    paid = runtime.request_slot_bytes(runtime.policy, cache.num_layers, heads, width)
+    paid = runtime.request_slot_bytes(
+        runtime.policy, cache.num_layers, heads, cache.KV_HEADS, width
+    )
     assert allocated <= rows * paid
     assert allocated >= 0.9 * (rows - 1) * paid  # the bound is not loose either
 
@@ -243,3 +249,77 @@ def test_the_shared_core_holds_at_a_requests_first_round_only(rounds_before):
     kept = [set(positions.tolist()) for positions, _ in entries(runtime, row)]
     assert 17 in kept[0]
     assert (17 in kept[1]) == (rounds_before == 0)
+
+
+def test_lists_per_kv_head_pack_each_heads_entries_into_that_head_of_the_rows():
+    """Each (layer, KV head) keeps its own list; a round packs a head's entries into that head
+    of the request's rows, so the slots held are the most any head's lists need, every list's
+    rows still hold its head's K/V of its tokens, and the heads of a layer keep different
+    tokens."""
+    cache = Cache(num_layers=3, seq_lens=(300, 12), device=DEVICE)
+    runtime = runtime_for(cache, **PER_KV_HEAD)
+    heads = cache.KV_HEADS
+    assert runtime.lists_per_layer == heads and runtime.num_lists == 3 * heads
+    request = step(cache, runtime, 0)
+    row, length = request.row, request.seq_len - 1
+    before, pool = rounded(cache, runtime, request)
+    pooled, lists = runtime.pooled, entries(runtime, row)
+    for head in range(heads):
+        used = torch.cat([rows for i, (_, rows) in enumerate(lists) if i % heads == head])
+        assert used.unique().numel() == used.numel()  # no two of a head's entries share a row
+    held = cache.req_to_token[row, :length]
+    held = held[held != HOLE].long()
+    per_head = [sum(lists[i][0].numel() for i in range(h, len(lists), heads)) for h in range(heads)]
+    assert held.numel() == max(math.ceil(n / 3) for n in per_head)
+    for i, (positions, rows) in enumerate(lists):
+        layer, head = divmod(i, heads)
+        assert set((rows % pooled.slots).tolist()) <= set(held.tolist())
+        keys, values = before[layer]
+        assert torch.equal(pooled.keys[rows, head], keys[positions, head])
+        assert torch.equal(pooled.values[rows, head], values[positions, head])
+    assert any(
+        not torch.equal(lists[layer * heads][0], lists[layer * heads + 1][0]) for layer in range(3)
+    )
+    assert request.state.evicted == len(pool.freed) == length - held.numel()
+    assert runtime.held_per_layer(request) == tuple(
+        max(lists[i][0].numel() for i in range(layer * heads, (layer + 1) * heads)) + 1
+        for layer in range(3)
+    )
+
+
+def test_decode_over_lists_per_kv_head_reads_each_heads_own_tokens():
+    cache = Cache(num_layers=2, seq_lens=(200, 12), device=DEVICE)
+    runtime = runtime_for(cache, **PER_KV_HEAD)
+    request = step(cache, runtime, 0)
+    before, _ = rounded(cache, runtime, request)
+    runtime.prepare_decode(cache.batch)
+    from sglang_ext.kernels.split_kv_decode import attend_positions_ref
+
+    heads, group = cache.KV_HEADS, cache.Q_HEADS // cache.KV_HEADS
+    for layer in range(cache.num_layers):
+        out = cache.decode(runtime.decode_fns[layer], layer).view(2, cache.Q_HEADS, cache.DIM)
+        q = cache.q.view(2, cache.Q_HEADS, cache.DIM)[0]
+        for head in range(heads):
+            positions, _ = entries(runtime, request.row)[layer * heads + head]
+            past = positions[:-1]  # the last entry is the token just decoded
+            keys, values = before[layer]
+            k = torch.cat([keys[past, head : head + 1], cache.new_k[:1, head : head + 1]])
+            v = torch.cat([values[past, head : head + 1], cache.new_v[:1, head : head + 1]])
+            q_heads = slice(head * group, (head + 1) * group)
+            expected, _ = attend_positions_ref(q[q_heads], k, v, torch.arange(len(k)), 0.125)
+            torch.testing.assert_close(out[0, q_heads], expected.to(out.dtype), **cache.tol)
+
+
+def test_lists_per_kv_head_need_per_layer_memory_and_one_rank():
+    from sglang_ext.policies import build_policy
+    from sglang_ext.policies.base import PolicyConfigError
+
+    for params in ({"per_layer": False}, {"pack_layers": False}):
+        with pytest.raises(PolicyConfigError, match="per_kv_head"):
+            build_policy("lethe", {"per_kv_head": True, **params})
+    with pytest.raises(PolicyConfigError, match="per_kv_head"):
+        build_policy("lethe", {"per_kv_head": True}).one_set()
+    cache = Cache(num_layers=2, device=DEVICE)
+    policy = build_policy("lethe", {"per_kv_head": True})
+    with pytest.raises(PolicyConfigError, match="tensor parallelism"):
+        eviction.LetheRuntime(policy, cache.context(ranks=SimpleNamespace(size=2)))

@@ -145,5 +145,5 @@ def test_a_composition_reports_as_one_policy_and_admits_as_its_eviction():
     params = {k: v for k, v in described.items() if k != "name"}
     assert build_policy(described["name"], params) == policy  # how the engine rebuilds it
     alone = build_policy("lethe", {"max_kv_ratio": 0.2, "per_layer": False})
-    assert policy.request_state_bytes(30, 9, 4096) == alone.request_state_bytes(30, 9, 4096)
+    assert policy.request_state_bytes(30, 9, 3, 4096) == alone.request_state_bytes(30, 9, 3, 4096)
     assert policy.attended_tokens(8192, 30) < alone.attended_tokens(8192, 30)

@@ -226,9 +226,9 @@ def test_an_evicting_servers_request_slots_are_sized_by_memory_not_a_fixed_cap()
 
     # llama-8B-like: 32 layers, 32 query heads, a 10k context, ~110 GiB of KV pool; per-layer
     # lists keep each entry's K/V row beside its position and score, one set a slot table
-    per_slot = build_policy("lethe", {"per_layer": True}).request_state_bytes(32, 32, 10240)
+    per_slot = build_policy("lethe", {"per_layer": True}).request_state_bytes(32, 32, 8, 10240)
     assert per_slot == 10240 * (32 * 12 + 32 * 4)
-    one_set = build_policy("lethe", {"per_layer": False}).request_state_bytes(32, 32, 10240)
+    one_set = build_policy("lethe", {"per_layer": False}).request_state_bytes(32, 32, 8, 10240)
     assert one_set == 10240 * (32 * 8 + 4 + 32 * 4)
     pool = 110 * 2**30
     slots = state_slots(per_slot, pool, pool, sglang_slots=4096, requested=None)
@@ -241,5 +241,5 @@ def test_an_evicting_servers_request_slots_are_sized_by_memory_not_a_fixed_cap()
     assert state_slots(per_slot, pool, pool, sglang_slots=4096, requested=8) == 8
     # a mix pays for each evicting member's runtime; selection keeps no per-slot state
     mix = build_policy("lethe,snapkv,delta")
-    assert mix.request_state_bytes(32, 32, 10240) == 2 * per_slot
-    assert build_policy("delta").request_state_bytes(32, 32, 10240) == 0
+    assert mix.request_state_bytes(32, 32, 8, 10240) == 2 * per_slot
+    assert build_policy("delta").request_state_bytes(32, 32, 8, 10240) == 0

@@ -9,6 +9,11 @@ all layers are packed into as few of its slots as hold them, ``ceil(sum of the l
 entries / layers)``, and the rest go back to the pool. A layer's decode reads its entries' rows
 through the whole-pool view (``pooled_buffers``).
 
+Lists per KV head (``Lethe.per_kv_head``): each (layer, KV head) keeps a list, and an entry
+addresses its head of a row, so the heads of one row hold different tokens; a head's entries are
+packed into that head of the request's rows, and the request holds the most any head's lists
+need, ``max over heads of ceil(sum of that head's lists' entries / layers)``.
+
 Packing moves as little as it can: the slots that already hold the most kept entries stay, and
 only entries in the slots given back are copied, into the free rows of the slots that stay, of
 their own layer first (source and destination rows never overlap). Radix-owned slots (a shared
@@ -78,17 +83,21 @@ def pack_rows(
     own: torch.Tensor,
     hole_slot: int,
     columns: int,
+    heads: int = 1,
 ) -> Packed:
     """Pack each request's kept entries into as few of its own slots as hold them.
 
-    ``entries`` [requests, layers, n] int32: each list entry's global row; ``stays`` (same shape,
-    bool): which entries the round keeps; ``slots`` [requests, positions]: each request's
+    ``entries`` [requests, lists, n] int32: each list entry's global row, a list per layer, or
+    with ``heads`` > 1 a list per (layer, KV head) (list ``layer * heads + head``), whose entries
+    address that head of their rows (a row's heads then hold different tokens); ``stays`` (same
+    shape, bool): which entries the round keeps; ``slots`` [requests, positions]: each request's
     ``req_to_token`` over the positions its round covers (padded), ``own`` where it may give the
     slot back (inside its round, past its radix prefix, not a hole); ``columns`` bounds the slots
     any request keeps (no layer of it keeps more entries). K/V rows are copied on the
     device; fixed shapes throughout but for one host read (how many entries move, how many
     slots each request gives back), so a batch of requests costs one round's launches."""
-    requests, num_layers, n = entries.shape
+    requests, lists, n = entries.shape
+    num_layers = lists // heads
     width, device = slots.shape[1], entries.device
     slots = slots.long()
     # each entry's position: a request holds a slot at one position only
@@ -99,21 +108,28 @@ def pack_rows(
     at = order.gather(1, found)
     is_own = stays.view(requests, -1) & (by_slot.gather(1, found) == slot_of) & own.gather(1, at)
     kept_per_slot = torch.zeros_like(slots).scatter_add_(1, at, is_own.long())
-    needed = (kept_per_slot.sum(1, keepdim=True) + num_layers - 1) // num_layers
+    kept_per_head = is_own.view(requests, num_layers, heads, n).sum((1, 3))
+    needed = ((kept_per_head + num_layers - 1) // num_layers).amax(1, keepdim=True)
     # the own slots holding the most kept entries stay, each a column of the rows they offer
     ranked = torch.argsort(torch.where(own, kept_per_slot, -1), dim=1, descending=True, stable=True)
     leading = torch.arange(width, device=device) < needed
     stay_slot = torch.zeros_like(own).scatter_(1, ranked, leading)
     column = torch.cumsum(stay_slot.long(), 1) - 1
     settled, movers = is_own & stay_slot.gather(1, at), is_own & ~stay_slot.gather(1, at)
-    # taken[request, buffer layer, column]: a row holding a kept entry, or no row (past needed)
-    taken = torch.zeros(requests, num_layers, columns + 1, dtype=torch.bool, device=device)
+    # taken[request, head, buffer layer, column]: a row's head holding a kept entry, or no row
+    # (past needed)
+    taken = torch.zeros(requests, heads, num_layers, columns + 1, dtype=torch.bool, device=device)
     request = torch.arange(requests, device=device)[:, None]
+    head_of = (torch.arange(lists * n, device=device) // n % heads).expand_as(rows)
     layer_of = torch.where(settled, rows // buffers.slots, 0)
-    taken[request, layer_of, torch.where(settled, column.gather(1, at), columns)] = True
-    taken = taken[:, :, :columns] | ~(torch.arange(columns, device=device) < needed)[:, None, :]
+    column_of = torch.where(settled, column.gather(1, at), columns)
+    taken[request, head_of, layer_of, column_of] = True
+    taken = taken[..., :columns] | ~(torch.arange(columns, device=device) < needed)[:, None, None]
+    by_head = (requests, num_layers, heads, n)
+    movers_by_head = movers.view(by_head).transpose(1, 2).reshape(-1, num_layers, n).contiguous()
+    targets = _free_rows_for(movers_by_head, taken.view(-1, num_layers, columns))
+    targets = targets.view(requests, heads, num_layers, n).transpose(1, 2).reshape(requests, -1)
     movers = movers.view_as(stays)
-    targets = _free_rows_for(movers, taken).view(requests, -1)
     slot_at_column = torch.zeros(requests, columns + 1, dtype=torch.int64, device=device)
     slot_at_column.scatter_(1, torch.where(stay_slot, column, columns), slots)
     staying_slot = slot_at_column.gather(1, targets % columns)
@@ -122,8 +138,13 @@ def pack_rows(
     moving, *freed_counts = torch.cat([movers.sum().view(1), given_back.sum(1)]).tolist()
     at_mover = torch.nonzero_static(movers.flatten(), size=moving).squeeze(1)
     sources, into = rows.flatten()[at_mover], destinations.flatten()[at_mover]
-    buffers.keys[into] = buffers.keys[sources]
-    buffers.values[into] = buffers.values[sources]
+    if heads == 1:  # a layer's list holds whole rows
+        buffers.keys[into] = buffers.keys[sources]
+        buffers.values[into] = buffers.values[sources]
+    else:  # a head's list holds that head of its rows
+        head = head_of.flatten()[at_mover]
+        buffers.keys[into, head] = buffers.keys[sources, head]
+        buffers.values[into, head] = buffers.values[sources, head]
     freed = slots.flatten()[torch.nonzero_static(given_back.flatten(), size=sum(freed_counts))]
     return Packed(
         entries=torch.where(movers, destinations.view_as(entries).to(entries.dtype), entries),

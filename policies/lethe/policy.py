@@ -83,6 +83,9 @@ class EvictionPolicy(KVPolicy):
     # each layer keeps its own list, cut by its own scores; False: one retained set for all layers;
     # None: per-layer lists, but one set under a selection composed over it (``one_set``)
     per_layer: bool | None = None
+    # with per-layer lists and per-layer memory: each KV head of a layer keeps its own list, cut
+    # by its own query group's scores (kvpress's presses keep top-k per KV head)
+    per_kv_head: bool = False
 
     def evicts(self) -> bool:
         return True
@@ -91,12 +94,26 @@ class EvictionPolicy(KVPolicy):
         """Whether layers may keep different lists (else every layer keeps the request's set)."""
         return self.per_layer is not False
 
+    def per_kv_head_lists(self) -> bool:
+        """Whether each KV head of a layer keeps a list of its own (else the layer's heads share
+        one)."""
+        return self.per_kv_head
+
+    def validate_lists(self) -> None:
+        """The lists' layout: lists per KV head need lists per layer packed into shared slots."""
+        if self.per_kv_head and not (self.per_layer_lists() and self.pack_layers):
+            self._error("per_kv_head", "lists per KV head need per-layer lists (per_layer true) "
+                        "and per-layer memory (pack_layers true)")  # fmt: skip
+
     def pools_layer_rows(self) -> bool:
         return self.per_layer_lists()
 
     def one_set(self) -> EvictionPolicy:
         """This rule keeping one retained set for every layer, for a selection composed over it
         (``policies.eviction_selection``); PolicyConfigError where its lists are per layer."""
+        if self.per_kv_head:
+            self._error("per_kv_head", "a selection composed over it reads one retained set: "
+                        "its lists are per KV head")  # fmt: skip
         if self.per_layer is None:  # left to the rule: one set under a selection
             return dataclasses.replace(self, per_layer=False)
         if self.per_layer_lists():
@@ -111,8 +128,12 @@ class EvictionPolicy(KVPolicy):
         # Prefill seeds the scores with a host-side loop over requests (lethe.runtime).
         return {"--disable-prefill-cuda-graph": None}
 
-    def request_state_bytes(self, num_layers: int, num_q_heads: int, context_len: int) -> int:
-        return LetheRuntime.request_slot_bytes(self, num_layers, num_q_heads, context_len)
+    def request_state_bytes(
+        self, num_layers: int, num_q_heads: int, num_kv_heads: int, context_len: int
+    ) -> int:
+        return LetheRuntime.request_slot_bytes(
+            self, num_layers, num_q_heads, num_kv_heads, context_len
+        )
 
     # the rule: scores ----------------------------------------------------------------------------
     def seed_window(self) -> int:
@@ -323,6 +344,7 @@ class Lethe(EvictionPolicy):
             self._error("shared_ratio", f"must be in [0, 1], got {self.shared_ratio}")
         if self.core() > 0 and not self.per_layer_lists():
             self._error("shared_ratio", "a shared core needs per-layer lists (per_layer true)")
+        self.validate_lists()
 
     def one_set(self) -> Lethe:
         if self.sparse_ratio is not None:  # the paper's breakpoints: lists per layer
@@ -388,6 +410,8 @@ class Lethe(EvictionPolicy):
         if not self.per_layer_lists():
             return f"{caps}, one set"
         memory = "per-layer memory" if self.pack_layers else "freed by the union"
+        if self.per_kv_head:
+            memory += ", lists per KV head"
         breakpoints = "" if self.sparse_ratio is None else f", sparse_ratio {self.sparse_ratio}"
         core = f", shared_ratio {self.core()}" if self.core() else ""
         return f"{caps}{breakpoints}{core} ({memory})"

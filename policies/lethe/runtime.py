@@ -49,6 +49,7 @@ import torch
 from sglang_ext.kernels import rasr
 from sglang_ext.kernels.kv_view import KVView
 from sglang_ext.kernels.sparse_decode import TableRead
+from sglang_ext.policies.base import PolicyConfigError
 from sglang_ext.policies.context import DecodeInputs, DecodeProgram
 from sglang_ext.policies.lethe.layer_memory import pack_rows, pooled_buffers
 from sglang_ext.policies.runtime import (
@@ -136,13 +137,23 @@ class LetheRuntime(PolicyRuntime):
         table_share = None if shared is None else shared.table_share
         rows, cap = ctx.req_to_token.shape
         self.trash_row = rows  # padded batch entries (CUDA graphs) write here, read nothing
-        shape = (ctx.num_layers, rows + 1, cap)
+        # a list per layer, or per (layer, KV head): list ``layer * lists_per_layer + head``
+        self.lists_per_layer = 1
+        if self.eviction.per_kv_head_lists():
+            if ctx.ranks is not None:
+                raise PolicyConfigError(
+                    f"{policy.name}.per_kv_head", "not under tensor parallelism (yet): each rank "
+                    "would pack its own heads' lists into slots the others free"
+                )  # fmt: skip
+            self.lists_per_layer = ctx.kv_pool.get_key_buffer(0).shape[1]
+        self.num_lists = ctx.num_layers * self.lists_per_layer
+        shape = (self.num_lists, rows + 1, cap)
         self.positions = torch.zeros(shape, dtype=torch.int32, device=ctx.device)
         self.scores = torch.zeros(shape, dtype=torch.float32, device=ctx.device)
         self.count = torch.zeros(shape[:2], dtype=torch.int32, device=ctx.device)
         self.state_rows = torch.full((ctx.max_batch_size,), rows, dtype=torch.int64, device=ctx.device)
         self._trash = torch.tensor(rows, dtype=torch.int64, device=ctx.device)
-        self._layers = torch.arange(ctx.num_layers, device=ctx.device)[:, None]
+        self._lists = torch.arange(self.num_lists, device=ctx.device)[:, None]
         self._arange = torch.arange(cap, dtype=torch.int32, device=ctx.device)
         self._zero_score = torch.zeros((), dtype=torch.float32, device=ctx.device)
         self._logits, self._workspace = None, None  # the kernel's scratch (CUDA only)
@@ -160,26 +171,33 @@ class LetheRuntime(PolicyRuntime):
         if policy.pools_layer_rows():
             self.pooled = pooled_buffers(ctx.kv_pool, ctx.num_layers)
             self.layer_rows = torch.zeros(shape, dtype=torch.int32, device=ctx.device)
-            self._row_offsets = self._layers.to(torch.int32) * self.pooled.slots
+            layer_of_list = self._lists // self.lists_per_layer
+            self._row_offsets = layer_of_list.to(torch.int32) * self.pooled.slots
             self._entry_counts = torch.zeros(
-                (ctx.num_layers, ctx.max_batch_size), dtype=torch.int32, device=ctx.device
+                (self.num_lists, ctx.max_batch_size), dtype=torch.int32, device=ctx.device
             )
         self._extending = _Extending([], [], [])
         super().__init__(policy, ctx, shared)
-        per_slot = self.request_slot_bytes(policy, ctx.num_layers, ctx.num_q_heads or 0, cap)
+        kv_heads = ctx.kv_pool.get_key_buffer(0).shape[1]
+        per_slot = self.request_slot_bytes(
+            self.eviction, ctx.num_layers, ctx.num_q_heads or 0, kv_heads, cap
+        )
         logger.info(
-            "sglang_ext: %s state for %d layers x %d request slots x %d positions: %.2f GiB",
-            policy.name, ctx.num_layers, rows, cap, (rows + 1) * per_slot / 2**30,
+            "sglang_ext: %s state for %d lists x %d request slots x %d positions: %.2f GiB",
+            policy.name, self.num_lists, rows, cap, (rows + 1) * per_slot / 2**30,
         )  # fmt: skip
 
     @staticmethod
-    def request_slot_bytes(policy, num_layers: int, num_q_heads: int, width: int) -> int:
+    def request_slot_bytes(
+        policy, num_layers: int, num_q_heads: int, num_kv_heads: int, width: int
+    ) -> int:
         """What ``__init__`` allocates per request slot of ``width`` positions: positions and
-        scores per layer (and each entry's K/V row with per-layer memory, else the step's slot
+        scores per list (and each entry's K/V row with per-layer memory, else the step's slot
         table), and the decode kernel's attention logits per query head (CUDA)."""
         per_entry = 4 + 4 + (4 if policy.pools_layer_rows() else 0)
+        lists = num_layers * (num_kv_heads if policy.per_kv_head_lists() else 1)
         own_table = 0 if policy.per_layer_lists() else 4
-        return width * (num_layers * per_entry + own_table + 4 * num_q_heads)
+        return width * (lists * per_entry + own_table + 4 * num_q_heads)
 
     def build_program(self) -> DecodeProgram:
         return DecodeProgram([self._decode] * self.ctx.num_layers, table_reads=self._table_reads)
@@ -280,15 +298,15 @@ class LetheRuntime(PolicyRuntime):
         state_rows = self.state_rows[:batch]
         torch.where(seq_lens > 1, forward_batch.req_pool_indices.long(), self._trash, out=state_rows)
         real = state_rows != self.trash_row
-        at = torch.where(real, self.count[:, state_rows], 0).long()  # [layers, batch]
-        self.positions[self._layers, state_rows, at] = (seq_lens - 1).to(torch.int32)
+        at = torch.where(real, self.count[:, state_rows], 0).long()  # [lists, batch]
+        self.positions[self._lists, state_rows, at] = (seq_lens - 1).to(torch.int32)
         # A device zero: a Python scalar would be copied from the host, which CUDA graphs forbid.
-        self.scores.index_put_((self._layers, state_rows, at), self._zero_score)
+        self.scores.index_put_((self._lists, state_rows, at), self._zero_score)
         counts = torch.where(real, at + 1, 0).to(torch.int32)
         self.count[:, state_rows] = counts
         if self.layer_rows is not None:
             new_rows = self._row_offsets + forward_batch.out_cache_loc.to(torch.int32)
-            self.layer_rows[self._layers, state_rows, at] = new_rows
+            self.layer_rows[self._lists, state_rows, at] = new_rows
             self._entry_counts[:, :batch] = counts
         if self._slot_table is not None:
             on_cuda = self.ctx.device.type == "cuda"
@@ -328,13 +346,16 @@ class LetheRuntime(PolicyRuntime):
         return dataclasses.replace(report, attended=mean + since)
 
     def held_per_layer(self, request: StepRequest) -> tuple[int, ...] | None:
+        """With lists per KV head, a layer's longest."""
         if self.layer_rows is None or not request.state.evicts:
             return None
         lethe = request.state.policy_state
         if not lethe.retained_per_layer:  # no round yet: every layer holds all
             return (request.seq_len,) * self.ctx.num_layers
         since = request.seq_len - lethe.round_length
-        return tuple(n + since for n in lethe.retained_per_layer)
+        per_list = lethe.retained_per_layer
+        heads = self.lists_per_layer
+        return tuple(max(per_list[i : i + heads]) + since for i in range(0, len(per_list), heads))
 
     def _decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         if save_kv_cache and k is not None and v is not None:
@@ -360,11 +381,16 @@ class LetheRuntime(PolicyRuntime):
         return out.view(q.shape[0], -1)
 
     def _decode_rows(self, q, lid: int, scaling: float):
-        """Per-layer memory: each entry attends over its layer's entries' rows."""
-        batch = q.shape[0]
-        rows, state_rows = self.layer_rows[lid], self.state_rows[:batch]
-        kv = KVView(self.pooled.keys, self.pooled.values, rows, state_rows, self._entry_counts[lid])
-        scores = self.scores[lid]
+        """Per-layer memory: each entry attends over its layer's entries' rows (each KV head over
+        its own list's, with lists per KV head)."""
+        state_rows = self.state_rows[: q.shape[0]]
+        if self.lists_per_layer == 1:
+            rows, counts, scores = self.layer_rows[lid], self._entry_counts[lid], self.scores[lid]
+        else:  # [request slots, KV heads, n] views: a table per KV head
+            lists = slice(lid * self.lists_per_layer, (lid + 1) * self.lists_per_layer)
+            rows = self.layer_rows[lists].transpose(0, 1)
+            scores, counts = self.scores[lists].transpose(0, 1), self._entry_counts[lists].T
+        kv = KVView(self.pooled.keys, self.pooled.values, rows, state_rows, counts)
         if q.is_cuda:
             return rasr.shared_retained_decode(
                 q, kv, scores, state_rows, scaling, self.eviction.decay, self._logits,
@@ -409,12 +435,15 @@ class LetheRuntime(PolicyRuntime):
         for row, seq_len, extend_len, end in extending:
             queries = q[end - min(window, extend_len) : end]
             slots = self.ctx.req_to_token[row, :seq_len].long()
-            sums.append(rasr.window_scores(queries, k_buffer[slots], seq_len, layer.scaling))
+            sums.append(rasr.window_scores(
+                queries, k_buffer[slots], seq_len, layer.scaling, self.lists_per_layer > 1
+            ))  # fmt: skip
         if ranks is not None:
             sums = ranks.sum(torch.cat(sums)).split([seq_len for _, seq_len, _, _ in extending])
+        lists = slice(lid * self.lists_per_layer, (lid + 1) * self.lists_per_layer)
         for (row, seq_len, _, _), received in zip(extending, sums, strict=True):
             seed = self.eviction.seed(received)
-            self.scores[lid, row, :seq_len] = seed if ranks is None else seed / ranks.size
+            self.scores[lists, row, :seq_len] = seed if ranks is None else seed / ranks.size
 
     def prune(self, requests: list[StepRequest], lengths: list[int], engine: EngineOps) -> None:
         """A pruning round of each request, request i over its first ``lengths[i]`` positions:
@@ -433,7 +462,7 @@ class LetheRuntime(PolicyRuntime):
             for request, length in members:
                 # a round's [requests, layers, n] tensors span its longest list, not its length
                 longest = _longest_list(request.state.policy_state, length)
-                entries = (len(batch) + 1) * max(widest, longest) * self.ctx.num_layers
+                entries = (len(batch) + 1) * max(widest, longest) * self.num_lists
                 if batch and entries > ROUND_ENTRIES:
                     self._round(_RoundBatch.of(policy, batch, self.ctx), engine)
                     batch, widest = [], 0
@@ -485,7 +514,7 @@ class LetheRuntime(PolicyRuntime):
             self._close_round(request, length, freed, *layers)
             logger.info(
                 "sglang_ext: %s round %d of %s: %d positions, freed %d slots, retained %d "
-                "(radix-owned %d), next threshold %d, retained per layer %s",
+                "(radix-owned %d), next threshold %d, retained per list %s",
                 self.policy.name, request.state.rounds, request.rid, length, freed,
                 length - request.state.evicted, request.protected_len,
                 request.state.policy_state.threshold, per_layer[i],
@@ -547,7 +576,7 @@ class LetheRuntime(PolicyRuntime):
         most = max(own.round_cap(length) for length in batch.lengths) + own.sink_tokens
         packed = pack_rows(
             self.pooled, entries, stays, batch.slots, batch.own, self.ctx.padding_slot,
-            columns=min(most, batch.slots.shape[1]),
+            columns=min(most, batch.slots.shape[1]), heads=self.lists_per_layer,
         )  # fmt: skip
         self.ctx.req_to_token[batch.rows, : packed.slots.shape[1]] = packed.slots.to(torch.int32)
         return _RoundOutcome(stays, packed.freed, packed.freed_counts, packed.entries)

@@ -9,9 +9,9 @@ every ``compression_interval`` decoded tokens. Selection is per layer (each laye
 top entries by its own scores, ``EvictionPolicy.cap_layers``), its entries packed into shared
 slots (``layer_memory``), as Lethe does with ``per_layer`` true; under a selection composed over
 it (``snapkv+tidal``), or with ``per_layer`` false, one retained set for every layer, ranked by the
-best share any layer gives a token (``cap_union_layers``). Unlike kvpress, scores are summed
-over a layer's query heads (kvpress keeps top-k per KV head as well as per layer), and there are
-no sink tokens (kvpress's defaults).
+best share any layer gives a token (``cap_union_layers``). Scores are summed over a layer's
+query heads unless ``per_kv_head`` is true: then each KV head keeps its own top entries by its
+own query group's scores, as kvpress's presses do. No sink tokens (kvpress's defaults).
 
 - ``snapkv``: the attention of the last ``window_size`` queries before a round (decay 1, scores
   zeroed ``window_size`` steps before each round and after it; at the first round, the last
@@ -58,6 +58,7 @@ class DecodeScorer(EvictionPolicy):
             self._error(
                 "compression_interval", f"must be >= 1, got {self.compression_interval}"
             )
+        self.validate_lists()
 
     def first_threshold(self) -> int:
         return 0  # the first decode step: the prompt is compressed
@@ -74,6 +75,7 @@ class DecodeScorer(EvictionPolicy):
 
     def budget(self) -> str:
         layout = "" if self.per_layer_lists() else ", one set"
+        layout += ", lists per KV head" if self.per_kv_head else ""
         return (
             f"compression_ratio {self.compression_ratio}, "
             f"compression_interval {self.compression_interval}{layout}"

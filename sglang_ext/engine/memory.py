@@ -175,6 +175,7 @@ def request_pool_by_memory(policy):
         per_slot = policy.request_state_bytes(
             configurator.layer_info.num_effective_layers,
             model.get_num_attention_heads(configurator.ps.attn_tp_size),
+            model.get_num_kv_heads(configurator.ps.attn_tp_size),
             model.context_len + EXTRA_POSITIONS,
         )
         own = resolve_pool(configurator, *args, **kwargs)  # SGLang's sizing, without the state

@@ -169,8 +169,21 @@ class LetheReads(DecodedReads):
         return position + 1 - self._request.state.evicted
 
     def tokens(self, layer: int, logits: torch.Tensor) -> torch.Tensor | None:
-        runtime = self._runtime
-        return runtime.positions[layer, self.ROW, : runtime.count[layer, self.ROW]].long()
+        """A layer's retained positions; with lists per KV head a [q_heads, seq_len] mask, each
+        query head reading its KV head's list."""
+        runtime, heads = self._runtime, self._runtime.lists_per_layer
+        lists = [
+            runtime.positions[i, self.ROW, : runtime.count[i, self.ROW]].long()
+            for i in range(layer * heads, (layer + 1) * heads)
+        ]
+        if heads == 1:
+            return lists[0]
+        q_heads, seq_len = logits.shape
+        group = q_heads // heads
+        mask = torch.zeros(q_heads, seq_len, dtype=torch.bool)
+        for head, positions in enumerate(lists):
+            mask[head * group : (head + 1) * group, positions] = True
+        return mask
 
     def _start(self, passage: Passage) -> None:
         self._passage, self._next, self._pending = passage, self.prompt_len, None
