@@ -5,7 +5,8 @@
 # with the ext wheels, smolA, smolB):
 #   PYTHONPATH=/tmp/site:/tmp/ext bash benchmarks/gpu_eval.sh
 # Writes the eval's results.jsonl, rows.json, table.md, accuracy.png and the server's log under
-# $OUT/eval (else ./eval-gpu). POLICIES: the served policies; EVAL_ARGS: more of the eval's flags.
+# $OUT/eval (else ./eval-gpu). POLICIES: the served policies; POLICY_CONFIG: their --policy-config;
+# EVAL_ARGS: more of the eval's flags.
 set -euo pipefail
 python=${PYTHON:-python3}
 out=${OUT:+$OUT/eval}
@@ -14,6 +15,7 @@ port=${PORT:-31300}
 mkdir -p "$out"
 source benchmarks/gpu_smol_model.sh
 setsid "$python" -m sglang_ext.launch --policy "${POLICIES:-lethe,snapkv,tova,h2o,delta,tidal,full}" \
+  ${POLICY_CONFIG:+--policy-config "$POLICY_CONFIG"} \
   --port "$port" --sampling-backend pytorch --cuda-graph-max-bs 16 \
   > "$out/server.log" 2>&1 &
 server=$!

@@ -29,6 +29,8 @@ def test_defaults_are_per_layer_lists_with_a_core_and_one_set_under_a_selection(
     # a parameter set holds in either layout; round_interval 0 asks for the threshold cadence
     assert build_policy("lethe", {"recent_ratio": 0.2}).one_set().recent() == 0.2
     assert build_policy("lethe", {"round_interval": 0}).interval() is None
+    heads = build_policy("lethe", {"per_kv_head": True})  # lists per KV head: less recent
+    assert (heads.recent(), heads.interval(), heads.core()) == (0.1, 64, 0.5)
     assert build_policy("lethe", {"per_layer": False, "round_interval": 32}).interval() == 32
     with pytest.raises(PolicyConfigError, match="per_layer"):
         build_policy("lethe", {"per_layer": False, "sparse_ratio": 400})

@@ -16,7 +16,8 @@ Defaults (RESULTS.md#eviction-fidelity), scores decayed by 0.99 a step in both l
   text than one set and about as close as kvpress's SnapKV at equal KV, and more lookups
   answered than without;
 - under a selection (``lethe+tidal``), which reads one retained set: one set for every layer,
-  0.3 of it recent, on Algorithm 1's threshold cadence.
+  0.3 of it recent, on Algorithm 1's threshold cadence;
+- ``per_kv_head`` set (a list per KV head): as served alone, but 0.1 of a list recent.
 ``recent_ratio``, ``round_interval`` and ``shared_ratio`` left unset take their layout's value.
 ``sparse_ratio`` set adds the paper's breakpoints, per layer.
 
@@ -70,8 +71,9 @@ class EvictionPolicy(KVPolicy):
     SGLang's pool. A subclass is the scoring rule and its round parameters; the runtime asks only
     this interface, never a policy's type.
 
-    Scores: every decode step each layer updates ``s = decay * s + attention received`` (summed
-    over query heads, ``kernels.rasr``); ``decay`` is a field or a class constant of the subclass.
+    Scores: every decode step each list updates ``s = decay * s + attention received`` (summed
+    over the layer's query heads, or a KV head's query group with ``per_kv_head``,
+    ``kernels.rasr``); ``decay`` is a field or a class constant of the subclass.
     A prefill seeds them from the attention of its last ``seed_window()`` prompt queries
     (``seed``). A round ranks entries by ``round_scores``; with ``observed_steps()`` set, a
     round's scores come from the last that many decode queries before it only (reset then, and
@@ -357,6 +359,8 @@ class Lethe(EvictionPolicy):
         """The recent window's share of a layer's retained tokens."""
         if self.recent_ratio is not None:
             return self.recent_ratio
+        if self.per_kv_head:  # a head's own scores pick well: fewer recent tokens are forced
+            return 0.1
         return 0.5 if self.per_layer_lists() else 0.3
 
     def interval(self) -> int | None:

@@ -3,7 +3,8 @@
 It runs any ``EvictionPolicy`` (``policy``: Lethe; ``scorers``: SnapKV, TOVA, H2O), asking the
 policy, never its type, for the scores' decay and prefill seed, when rounds run and what they keep.
 
-State, per SGLang request slot (a row of ``req_to_token``) and per layer, on the device:
+State, per SGLang request slot (a row of ``req_to_token``) and per list (a layer's, or with
+``per_kv_head`` a (layer, KV head)'s: list ``layer * lists_per_layer + head``), on the device:
 ``positions`` (the retained logical positions, in the order the policy's rounds leave them:
 ``EvictionPolicy.list_order``), ``count`` and ``scores`` (RASR). A
 prefill resets a row to every position it holds; each decode step appends the new token to every
