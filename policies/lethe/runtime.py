@@ -72,16 +72,16 @@ class LetheRequest:
     # the retained KV at which its scores are zeroed, so that its next round sees only the
     # queries from there on (EvictionPolicy.observed_steps); None: not before that round
     reset_at: int | None = None
-    retained_per_layer: list[int] = dataclasses.field(default_factory=list)  # after the last round
+    retained_per_list: list[int] = dataclasses.field(default_factory=list)  # after the last round
     round_length: int = 0  # the positions the last round covered (each step appends one more)
 
 
 def _longest_list(lethe: LetheRequest, length: int) -> int:
     """The most entries any layer of a request of ``length`` positions holds: its longest list
     after its last round plus every token decoded since (each layer appends each)."""
-    if not lethe.retained_per_layer:
+    if not lethe.retained_per_list:
         return length
-    return max(lethe.retained_per_layer) + length - lethe.round_length
+    return max(lethe.retained_per_list) + length - lethe.round_length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,10 +340,10 @@ class LetheRuntime(PolicyRuntime):
         if not request.state.evicts or extend:
             return report
         lethe = request.state.policy_state
-        if self.layer_rows is None or not lethe.retained_per_layer:
+        if self.layer_rows is None or not lethe.retained_per_list:
             return dataclasses.replace(report, attended=float(report.held))
         since = request.seq_len - lethe.round_length  # tokens every list gained since the round
-        mean = sum(lethe.retained_per_layer) / len(lethe.retained_per_layer)
+        mean = sum(lethe.retained_per_list) / len(lethe.retained_per_list)
         return dataclasses.replace(report, attended=mean + since)
 
     def held_per_layer(self, request: StepRequest) -> tuple[int, ...] | None:
@@ -351,10 +351,10 @@ class LetheRuntime(PolicyRuntime):
         if self.layer_rows is None or not request.state.evicts:
             return None
         lethe = request.state.policy_state
-        if not lethe.retained_per_layer:  # no round yet: every layer holds all
+        if not lethe.retained_per_list:  # no round yet: every layer holds all
             return (request.seq_len,) * self.ctx.num_layers
         since = request.seq_len - lethe.round_length
-        per_list = lethe.retained_per_layer
+        per_list = lethe.retained_per_list
         heads = self.lists_per_layer
         return tuple(max(per_list[i : i + heads]) + since for i in range(0, len(per_list), heads))
 
@@ -499,7 +499,7 @@ class LetheRuntime(PolicyRuntime):
             self.layer_rows[:, rows, :n] = entries.gather(2, order).transpose(0, 1)
         retained = outcome.stays.sum(2)
         self.count[:, rows] = retained.T.to(torch.int32)
-        per_layer, found, salient_plus_recent = torch.stack(
+        per_list, found, salient_plus_recent = torch.stack(
             [retained, found.view_as(retained).long(), salient_plus_recent.view_as(retained)]
         ).tolist()
         available_before = engine.available_slots()
@@ -511,18 +511,18 @@ class LetheRuntime(PolicyRuntime):
         )  # fmt: skip
         members = zip(batch.requests, batch.lengths, outcome.freed_counts, strict=True)
         for i, (request, length, freed) in enumerate(members):
-            layers = (per_layer[i], found[i], salient_plus_recent[i])
-            self._close_round(request, length, freed, *layers)
+            lists = (per_list[i], found[i], salient_plus_recent[i])
+            self._close_round(request, length, freed, *lists)
             logger.info(
                 "sglang_ext: %s round %d of %s: %d positions, freed %d slots, retained %d "
                 "(radix-owned %d), next threshold %d, retained per list %s",
                 self.policy.name, request.state.rounds, request.rid, length, freed,
                 length - request.state.evicted, request.protected_len,
-                request.state.policy_state.threshold, per_layer[i],
+                request.state.policy_state.threshold, per_list[i],
             )  # fmt: skip
 
     def _close_round(
-        self, request, length: int, freed: int, retained_per_layer, found, salient_plus_recent
+        self, request, length: int, freed: int, retained_per_list, found, salient_plus_recent
     ) -> None:
         """A request's host state after its round: what it freed and keeps, its next threshold
         (from each layer's breakpoint, where it found one)."""
@@ -531,7 +531,7 @@ class LetheRuntime(PolicyRuntime):
         breakpoints = [s if f else None for f, s in zip(found, salient_plus_recent, strict=True)]
         state.evicted += freed
         state.rounds += 1
-        lethe.retained_per_layer, lethe.round_length = retained_per_layer, length
+        lethe.retained_per_list, lethe.round_length = retained_per_list, length
         retained = length - state.evicted
         lethe.threshold = rule.next_threshold(lethe.threshold, breakpoints, retained, length)
         # the last ``observed`` queries before the next round: from this retained KV on
