@@ -107,6 +107,11 @@ class EvictionPolicy(KVPolicy):
             self._error("per_kv_head", "lists per KV head need per-layer lists (per_layer true) "
                         "and per-layer memory (pack_layers true)")  # fmt: skip
 
+    def validate_ranks(self, attention_ranks: int) -> None:
+        if self.per_kv_head and attention_ranks > 1:
+            self._error("per_kv_head", "not under tensor parallelism (yet): each rank would "
+                        "pack its own heads' lists into slots the others free")  # fmt: skip
+
     def pools_layer_rows(self) -> bool:
         return self.per_layer_lists()
 

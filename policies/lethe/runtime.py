@@ -50,7 +50,6 @@ import torch
 from sglang_ext.kernels import rasr
 from sglang_ext.kernels.kv_view import KVView
 from sglang_ext.kernels.sparse_decode import TableRead
-from sglang_ext.policies.base import PolicyConfigError
 from sglang_ext.policies.context import DecodeInputs, DecodeProgram
 from sglang_ext.policies.lethe.layer_memory import pack_rows, pooled_buffers
 from sglang_ext.policies.runtime import (
@@ -140,12 +139,9 @@ class LetheRuntime(PolicyRuntime):
         self.trash_row = rows  # padded batch entries (CUDA graphs) write here, read nothing
         # a list per layer, or per (layer, KV head): list ``layer * lists_per_layer + head``
         self.lists_per_layer = 1
+        if ctx.ranks is not None:
+            self.eviction.validate_ranks(ctx.ranks.size)
         if self.eviction.per_kv_head_lists():
-            if ctx.ranks is not None:
-                raise PolicyConfigError(
-                    f"{policy.name}.per_kv_head", "not under tensor parallelism (yet): each rank "
-                    "would pack its own heads' lists into slots the others free"
-                )  # fmt: skip
             self.lists_per_layer = ctx.kv_pool.get_key_buffer(0).shape[1]
         self.num_lists = ctx.num_layers * self.lists_per_layer
         shape = (self.num_lists, rows + 1, cap)
