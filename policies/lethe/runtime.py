@@ -173,6 +173,7 @@ class LetheRuntime(PolicyRuntime):
             self._entry_counts = torch.zeros(
                 (self.num_lists, ctx.max_batch_size), dtype=torch.int32, device=ctx.device
             )
+            self._layer_tables = [self._layer_table(lid) for lid in range(ctx.num_layers)]
         self._extending = _Extending([], [], [])
         super().__init__(policy, ctx, shared)
         kv_heads = ctx.kv_pool.get_key_buffer(0).shape[1]
@@ -377,16 +378,24 @@ class LetheRuntime(PolicyRuntime):
         )  # fmt: skip
         return out.view(q.shape[0], -1)
 
+    def _layer_table(self, lid: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of a layer's lists in the owned state, made once: (each entry's K/V row, the
+        entries per batch slot, their scores); with lists per KV head [request slots, KV heads,
+        n] views, a table per KV head."""
+        if self.lists_per_layer == 1:
+            return self.layer_rows[lid], self._entry_counts[lid], self.scores[lid]
+        lists = slice(lid * self.lists_per_layer, (lid + 1) * self.lists_per_layer)
+        return (
+            self.layer_rows[lists].transpose(0, 1),
+            self._entry_counts[lists].T,
+            self.scores[lists].transpose(0, 1),
+        )
+
     def _decode_rows(self, q, lid: int, scaling: float):
         """Per-layer memory: each entry attends over its layer's entries' rows (each KV head over
         its own list's, with lists per KV head)."""
         state_rows = self.state_rows[: q.shape[0]]
-        if self.lists_per_layer == 1:
-            rows, counts, scores = self.layer_rows[lid], self._entry_counts[lid], self.scores[lid]
-        else:  # [request slots, KV heads, n] views: a table per KV head
-            lists = slice(lid * self.lists_per_layer, (lid + 1) * self.lists_per_layer)
-            rows = self.layer_rows[lists].transpose(0, 1)
-            scores, counts = self.scores[lists].transpose(0, 1), self._entry_counts[lists].T
+        rows, counts, scores = self._layer_tables[lid]
         kv = KVView(self.pooled.keys, self.pooled.values, rows, state_rows, counts)
         if q.is_cuda:
             return rasr.shared_retained_decode(
