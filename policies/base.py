@@ -58,11 +58,6 @@ class KVPolicy:
     def validate(self) -> None:
         """Raise PolicyConfigError(field, ...) for an out-of-range parameter."""
 
-    def validate_ranks(self, attention_ranks: int) -> None:
-        """Raise PolicyConfigError(field, ...) where this policy cannot run with its attention
-        split over ``attention_ranks`` tensor-parallel ranks (the launcher's exit 2 names the
-        flag; the runtime asks again at start-up)."""
-
     def validate_request(self, chosen: KVPolicy) -> None:
         """Raise PolicyConfigError(field, ...) where a request's own parameters (``chosen``:
         this policy with them) do not fit what the server set up for this one."""

@@ -63,10 +63,6 @@ class PolicyMix(KVPolicy):
         if repeated:
             raise PolicyConfigError("policy", f"lists {', '.join(repeated)} twice")
 
-    def validate_ranks(self, attention_ranks: int) -> None:
-        for member in self.members:
-            member.validate_ranks(attention_ranks)
-
     def request_choices(self) -> dict[str, KVPolicy | None]:
         return {m.name: m for m in self.members}
 

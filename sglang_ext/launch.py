@@ -99,20 +99,6 @@ def sglang_argv(argv: list[str], policy: KVPolicy | None = None) -> list[str]:
     return out + cpu.as_argv({f: v for f, v in defaults.items() if not _has_flag(out, f)})
 
 
-def attention_ranks(argv: list[str]) -> int:
-    """The tensor-parallel ranks one model's attention is split over, as SGLang's
-    ``compute_dp_attention_world_info`` counts them from its flags (1 where a value is not a
-    number: SGLang's own parser says so)."""
-
-    def size(*flags: str) -> int:
-        value = next((flag_value(argv, f) for f in flags if _has_flag(argv, f)), "1")
-        return int(value) if value.isdigit() and int(value) > 0 else 1
-
-    tp = size("--tp-size", "--tensor-parallel-size")
-    dp = size("--dp-size", "--data-parallel-size") if _has_flag(argv, "--enable-dp-attention") else 1
-    return max(1, tp // dp // size("--attn-cp-size", "--attention-context-parallel-size"))
-
-
 def _check_engine_flags(parser: argparse.ArgumentParser, argv: list[str], policy: KVPolicy) -> None:
     """Flags under which a policy would silently not run (exit 2 naming the flag)."""
     backend = flag_value(argv, "--attention-backend", "")
@@ -129,10 +115,6 @@ def _check_engine_flags(parser: argparse.ArgumentParser, argv: list[str], policy
             f"argument --prefill-attention-backend: {prefill!r} differs from the decode backend "
             f"{decode!r}; sglang_ext policies need one backend for both"
         )
-    try:
-        policy.validate_ranks(attention_ranks(argv))
-    except PolicyConfigError as err:
-        parser.error(f"argument --tp-size: {err.field}: {err.detail}")
     page_size = flag_value(argv, "--page-size", "1")
     if policy.evicts() and page_size != "1":
         parser.error(

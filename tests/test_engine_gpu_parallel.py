@@ -34,6 +34,8 @@ TP2, DP2 = ["--tp-size", "2"], ["--dp-size", "2"]
 CONFIGS = {
     "lethe_dp2": ("lethe", LETHE, DP2),
     "lethe_tp2": ("lethe", LETHE, TP2),
+    # a list per KV head: each rank keeps its own head's lists (qwen1.5b: 2 KV heads)
+    "lethe_heads_tp2": ("lethe", {**LETHE, "per_kv_head": True}, TP2),
     "art_tp2": ("art", None, TP2),
 }
 # GPU_PARALLEL_CONFIGS=lethe_tp2,art_tp2 starts only those (the others' tests are skipped)
@@ -96,8 +98,9 @@ def started(servers, name):
     return servers[name]
 
 
-def test_lethe_under_tensor_parallelism_frees_alike_on_both_ranks(servers):
-    server = started(servers, "lethe_tp2")
+@pytest.mark.parametrize("name", ["lethe_tp2", "lethe_heads_tp2"])
+def test_lethe_under_tensor_parallelism_frees_alike_on_both_ranks(servers, name):
+    server = started(servers, name)
     # one batch: four requests under Lethe, one that opted out to full attention
     outs = generate_all(server, prompts(5, 700), 300, kv_policies=[None] * 4 + [{"name": "full"}])
     for out in outs:

@@ -77,14 +77,10 @@ def test_embedded_model_is_the_default(cpu_host, monkeypatch, tmp_path):
     assert _value(launch.sglang_argv([]), "--model-path") == str(tmp_path)
 
 
-def _refused_policy(argv, policy):
-    with pytest.raises(SystemExit) as exit_info:
-        launch._check_engine_flags(launch.build_parser(), argv, policy)
-    return exit_info.value.code
-
-
 def _refused(argv, policy="full"):
-    return _refused_policy(argv, build_policy(policy))
+    with pytest.raises(SystemExit) as exit_info:
+        launch._check_engine_flags(launch.build_parser(), argv, build_policy(policy))
+    return exit_info.value.code
 
 
 def test_decode_backend_override_is_checked(cpu_host):
@@ -103,21 +99,6 @@ def test_flags_under_which_a_policy_would_not_run_exit_2_naming_the_flag(capsys)
     assert "--page-size" in capsys.readouterr().err
     delta_argv = ["--attention-backend", "triton", "--page-size", "16"]
     launch._check_engine_flags(launch.build_parser(), delta_argv, build_policy("delta"))
-
-
-def test_lists_per_kv_head_under_tensor_parallelism_exit_2_naming_the_flag(capsys):
-    per_head = build_policy("lethe", {"per_kv_head": True})
-    mixed = build_policy("lethe,full", {"lethe": {"per_kv_head": True}})
-    tp2 = ["--attention-backend", "triton", "--tp-size", "2"]
-    for policy in (per_head, mixed):
-        code = _refused_policy(tp2, policy)
-        assert code == 2 and "lethe.per_kv_head" in capsys.readouterr().err
-    assert _refused_policy(["--attention-backend", "triton", "--tensor-parallel-size=4"], per_head) == 2
-    assert "--tp-size" in capsys.readouterr().err
-    # attention on one rank: two data-parallel attention groups over the two GPUs
-    dp_attention = [*tp2, "--dp-size", "2", "--enable-dp-attention"]
-    launch._check_engine_flags(launch.build_parser(), dp_attention, per_head)
-    launch._check_engine_flags(launch.build_parser(), tp2, build_policy("lethe"))
 
 
 def test_the_embedded_model_is_served_under_its_name(cpu_host, monkeypatch, tmp_path):

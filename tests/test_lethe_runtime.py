@@ -34,7 +34,7 @@ class Pool:
         )
 
 
-def runtime_for(cache, **params):
+def runtime_for(cache, ranks=None, **params):
     """Lethe's runtime under the rule these tests were written for: rounds on Algorithm 1's
     threshold, a recent window of 0.3, and one retained set unless a ``sparse_ratio`` asks for
     per-layer lists (test_layer_memory covers those)."""
@@ -43,7 +43,7 @@ def runtime_for(cache, **params):
         "decay": 0.95, "per_layer": "sparse_ratio" in params,
     }  # fmt: skip
     policy = build_policy("lethe", {**rule, **params})
-    runtime = LetheRuntime(policy, cache.context())
+    runtime = LetheRuntime(policy, cache.context(ranks=ranks))
     batch = cache.batch
     runtime.reset_rows(batch.req_pool_indices, batch.seq_lens - 1)  # prefilled, before the token
     return runtime
@@ -177,8 +177,7 @@ def prefill_then_round(cache, prefill_q, ranks=None, **params):
     """A prefill of the cache's requests (observation windows seed the scores), one decode step,
     then a round of the first request over all it holds. What each layer keeps, and the slots
     freed."""
-    runtime = runtime_for(cache, observation_window=16, **params)
-    runtime.ctx = dataclasses.replace(runtime.ctx, ranks=ranks)
+    runtime = runtime_for(cache, ranks, observation_window=16, **params)
     requests = [step(cache, runtime, i) for i in range(2)]
     lens = cache.batch.seq_lens - 1
     prefill = SimpleNamespace(
@@ -196,8 +195,13 @@ def prefill_then_round(cache, prefill_q, ranks=None, **params):
     runtime.prune([first], [first.seq_len], pool.ops())
     row = first.row
     counts = runtime.count[:, row].tolist()
-    kept = [runtime.positions[layer, row, :n].tolist() for layer, n in enumerate(counts)]
-    return kept, sorted(pool.freed), runtime.scores[:, row].clone()
+    kept = [runtime.positions[lst, row, :n].tolist() for lst, n in enumerate(counts)]
+    keys = []  # with per-layer memory, what each list's entries read: its head of their rows
+    for lst, n in enumerate(counts if runtime.layer_rows is not None else []):
+        rows = runtime.layer_rows[lst, row, :n].long()
+        head = slice(None) if runtime.lists_per_layer == 1 else lst % runtime.lists_per_layer
+        keys.append(runtime.pooled.keys[rows][:, head])
+    return kept, sorted(pool.freed), runtime.scores[:, row].clone(), keys
 
 
 @pytest.mark.parametrize("sparse_ratio", [None, 1.5])
@@ -207,7 +211,7 @@ def test_tensor_parallel_ranks_free_what_one_rank_with_every_head_frees(sparse_r
     tokens = 199 + 11
     gen = torch.Generator().manual_seed(2)
     prefill_q = torch.randn(tokens, whole.Q_HEADS * whole.DIM, generator=gen)
-    expected_kept, expected_freed, whole_scores = prefill_then_round(
+    expected_kept, expected_freed, whole_scores, _ = prefill_then_round(
         whole, prefill_q, sparse_ratio=sparse_ratio
     )
     assert expected_freed
@@ -218,11 +222,45 @@ def test_tensor_parallel_ranks_free_what_one_rank_with_every_head_frees(sparse_r
         return prefill_then_round(views[rank], q, group, sparse_ratio=sparse_ratio)
 
     results = ThreadRanks(2).run(on_rank)
-    for kept, freed, _ in results:
+    for kept, freed, _, _ in results:
         assert kept == expected_kept and freed == expected_freed
     # each rank holds its own heads' share of the scores; the shares add up to all heads'
     assert not torch.allclose(results[0][2], results[1][2])
     torch.testing.assert_close(results[0][2] + results[1][2], whole_scores)
+
+
+class FourKVHeads(Cache):
+    Q_HEADS, KV_HEADS = 8, 4
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])  # one or two heads on each of the two ranks
+@pytest.mark.parametrize("params", [{}, {"sparse_ratio": 1.5}, {"shared_ratio": 0.0}])
+def test_tensor_parallel_ranks_with_lists_per_kv_head_keep_what_one_rank_keeps(kv_heads, params):
+    whole = (Cache if kv_heads == 2 else FourKVHeads)(num_layers=2, seq_lens=(200, 12))
+    views = [whole.rank_view(rank, num_ranks=2) for rank in range(2)]
+    tokens = 199 + 11
+    gen = torch.Generator().manual_seed(3)
+    prefill_q = torch.randn(tokens, whole.Q_HEADS * whole.DIM, generator=gen)
+    params = {"per_layer": True, "per_kv_head": True, "max_kv_ratio": 0.3, **params}
+    expected = prefill_then_round(whole, prefill_q, **params)
+    expected_kept, expected_freed, whole_scores, whole_keys = expected
+    assert expected_freed
+
+    def on_rank(rank, group):
+        heads = prefill_q.view(tokens, whole.Q_HEADS, whole.DIM).chunk(2, dim=1)[rank]
+        return prefill_then_round(views[rank], heads.reshape(tokens, -1), group, **params)
+
+    results = ThreadRanks(2).run(on_rank)
+    local = kv_heads // 2
+    for rank, (kept, freed, scores, keys) in enumerate(results):
+        assert freed == expected_freed  # the same slots go back on every rank
+        for lst, positions in enumerate(kept):  # a rank's lists: its heads' lists, whole
+            layer, head = divmod(lst, local)
+            whole_list = layer * kv_heads + rank * local + head
+            assert positions == expected_kept[whole_list]
+            torch.testing.assert_close(keys[lst].view_as(whole_keys[whole_list]), whole_keys[whole_list])
+            # its own heads' scores: nothing summed over the ranks
+            torch.testing.assert_close(scores[lst], whole_scores[whole_list])
 
 
 def test_ranks_that_would_keep_different_tokens_stop_loudly():

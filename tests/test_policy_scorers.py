@@ -2,7 +2,6 @@
 round keeps under each rule, the freed slots and the packed per-layer lists, how the decode-time
 scores decay or reset, and the round cadence (the engine run is in test_engine_mix)."""
 
-import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -56,8 +55,8 @@ class Pool:
         )
 
 
-def scorer_runtime(cache, name, prefilled, **params):
-    runtime = LetheRuntime(build_policy(name, params), cache.context())
+def scorer_runtime(cache, name, prefilled, ranks=None, **params):
+    runtime = LetheRuntime(build_policy(name, params), cache.context(ranks=ranks))
     prefilled = torch.as_tensor(prefilled, device=cache.device)
     runtime.reset_rows(cache.batch.req_pool_indices, prefilled)
     return runtime
@@ -155,8 +154,7 @@ def test_a_prefill_seeds_the_scores_from_its_last_queries(name, window):
 def seeded_round(cache, q, ranks, name="snapkv", length=119):
     """A prefill of the cache's one request (its scores seeded), then a round over all it holds:
     what each layer keeps and the slots freed."""
-    runtime = scorer_runtime(cache, name, torch.tensor([length]), compression_ratio=0.6)
-    runtime.ctx = dataclasses.replace(runtime.ctx, ranks=ranks)
+    runtime = scorer_runtime(cache, name, torch.tensor([length]), ranks, compression_ratio=0.6)
     prefill = SimpleNamespace(
         req_pool_indices=torch.tensor([1]), seq_lens=torch.tensor([length]),
         extend_seq_lens_cpu=[length],

@@ -84,6 +84,7 @@ def pack_rows(
     hole_slot: int,
     columns: int,
     heads: int = 1,
+    ranks=None,
 ) -> Packed:
     """Pack each request's kept entries into as few of its own slots as hold them.
 
@@ -93,8 +94,10 @@ def pack_rows(
     shape, bool): which entries the round keeps; ``slots`` [requests, positions]: each request's
     ``req_to_token`` over the positions its round covers (padded), ``own`` where it may give the
     slot back (inside its round, past its radix prefix, not a hole); ``columns`` bounds the slots
-    any request keeps (no layer of it keeps more entries). K/V rows are copied on the
-    device; fixed shapes throughout but for one host read (how many entries move, how many
+    any request keeps (no layer of it keeps more entries). ``ranks`` (a ``RankGroup``): the
+    tensor-parallel ranks, each with its own KV heads' lists; they agree on the slots that stay
+    (the entries every rank's heads keep in a slot, the most slots any head needs), as one rank
+    with every head would. K/V rows are copied on the device; fixed shapes throughout but for one host read (how many entries move, how many
     slots each request gives back), so a batch of requests costs one round's launches."""
     requests, lists, n = entries.shape
     num_layers = lists // heads
@@ -110,6 +113,9 @@ def pack_rows(
     kept_per_slot = torch.zeros_like(slots).scatter_add_(1, at, is_own.long())
     kept_per_head = is_own.view(requests, num_layers, heads, n).sum((1, 3))
     needed = ((kept_per_head + num_layers - 1) // num_layers).amax(1, keepdim=True)
+    if ranks is not None:  # one exchange: every rank's entries per slot, and needs
+        everyone = ranks.gather(torch.cat([kept_per_slot, needed], 1))
+        kept_per_slot, needed = everyone[..., :-1].sum(0), everyone[..., -1:].amax(0)
     # the own slots holding the most kept entries stay, each a column of the rows they offer
     ranked = torch.argsort(torch.where(own, kept_per_slot, -1), dim=1, descending=True, stable=True)
     leading = torch.arange(width, device=device) < needed

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 from sglang_ext.kernels import rasr
@@ -106,11 +107,6 @@ class EvictionPolicy(KVPolicy):
         if self.per_kv_head and not (self.per_layer_lists() and self.pack_layers):
             self._error("per_kv_head", "lists per KV head need per-layer lists (per_layer true) "
                         "and per-layer memory (pack_layers true)")  # fmt: skip
-
-    def validate_ranks(self, attention_ranks: int) -> None:
-        if self.per_kv_head and attention_ranks > 1:
-            self._error("per_kv_head", "not under tensor parallelism (yet): each rank would "
-                        "pack its own heads' lists into slots the others free")  # fmt: skip
 
     def pools_layer_rows(self) -> bool:
         return self.per_layer_lists()
@@ -238,11 +234,12 @@ class EvictionPolicy(KVPolicy):
 
     def shared_entries(
         self, positions: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor, lengths: list[int],
-        first: list[bool],
+        first: list[bool], across: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor | None:  # fmt: skip
         """Per-layer lists: the entries ([requests, layers, n] bool, as ``positions``) that every
         layer keeping them keeps ahead of its own choice, the request's shared core; None: none
-        (each layer cuts by its own scores alone). ``first[i]``: request i's first round."""
+        (each layer cuts by its own scores alone). ``first[i]``: request i's first round.
+        ``across``: the most over the tensor-parallel ranks, where each holds lists of its own."""
         return None
 
     def cap_layers(
@@ -390,7 +387,7 @@ class Lethe(EvictionPolicy):
     def first_threshold(self) -> int:
         return self.evict_threshold
 
-    def shared_entries(self, positions, scores, keep, lengths, first):
+    def shared_entries(self, positions, scores, keep, lengths, first, across=None):
         # At a request's first round only (its prompt compressed, ranked by seeds from the
         # prompt's last queries): a later round that forced the core cut what each layer had
         # since shown it reads (RESULTS.md#eviction-fidelity).
@@ -398,6 +395,8 @@ class Lethe(EvictionPolicy):
             return None
         device, width = scores.device, max(lengths)
         best = _best_share(positions, scores, keep, width)
+        if across is not None:  # every rank's lists
+            best = across(best)
         cap, recent = self._caps(lengths, device)
         room = ((cap - recent - self.sink_tokens).clamp_min(0) * self.core()).long()
         length = torch.tensor(lengths, device=device)[:, None]

@@ -33,7 +33,10 @@ decode steps without a round stay free of host syncs and keep their CUDA graph.
 Tensor parallelism: each attention-TP rank scores its own query heads, so its ``scores`` are its
 share of the request's (prefill seeds are combined over the ranks and stored as a 1/size share).
 A round sums the ranks' shares first (``DecodeContext.ranks``): every rank then keeps and frees
-the same tokens, as one rank with all the heads would, and checks that it does.
+the same tokens, as one rank with all the heads would, and checks that it does. With lists per
+KV head a rank holds its own heads' lists, whole: nothing is summed, each rank cuts its own, and
+the packing agrees on the slots (the ranks' entries per slot summed, the most slots any head
+needs), so every rank frees the slots one rank with all the heads would.
 """
 
 from __future__ import annotations
@@ -139,10 +142,12 @@ class LetheRuntime(PolicyRuntime):
         self.trash_row = rows  # padded batch entries (CUDA graphs) write here, read nothing
         # a list per layer, or per (layer, KV head): list ``layer * lists_per_layer + head``
         self.lists_per_layer = 1
-        if ctx.ranks is not None:
-            self.eviction.validate_ranks(ctx.ranks.size)
+        # under tensor parallelism: the ranks whose scores make one list (a list per layer,
+        # scored by every rank's query heads), or that hold lists of their own (per KV head)
+        self.summed_ranks, self.list_ranks = ctx.ranks, None
         if self.eviction.per_kv_head_lists():
             self.lists_per_layer = ctx.kv_pool.get_key_buffer(0).shape[1]
+            self.summed_ranks, self.list_ranks = None, ctx.ranks
         self.num_lists = ctx.num_layers * self.lists_per_layer
         shape = (self.num_lists, rows + 1, cap)
         self.positions = torch.zeros(shape, dtype=torch.int32, device=ctx.device)
@@ -351,8 +356,8 @@ class LetheRuntime(PolicyRuntime):
         if not lethe.retained_per_list:  # no round yet: every layer holds all
             return (request.seq_len,) * self.ctx.num_layers
         since = request.seq_len - lethe.round_length
-        per_list = lethe.retained_per_list
-        heads = self.lists_per_layer
+        per_list = lethe.retained_per_list  # every rank's lists (``_round``)
+        heads = len(per_list) // self.ctx.num_layers
         return tuple(max(per_list[i : i + heads]) + since for i in range(0, len(per_list), heads))
 
     def _decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
@@ -424,11 +429,11 @@ class LetheRuntime(PolicyRuntime):
         reset to every position before the forward; the rows and lengths come from the host
         (``_extending``, once per batch). Under tensor parallelism the batch's sums are combined
         across the ranks in one exchange per layer, before the ``seed``, and stored as this
-        rank's 1/size share."""
+        rank's 1/size share; with lists per KV head a rank's own heads make its seeds whole."""
         window = self.eviction.seed_window()
         if window == 0 or forward_batch.extend_seq_lens_cpu is None or not self._extending.rows:
             return
-        lid, ranks = layer.layer_id, self.ctx.ranks
+        lid, ranks = layer.layer_id, self.summed_ranks
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         k_buffer = self.ctx.kv_pool.get_key_buffer(lid)
         extend_lens = forward_batch.extend_seq_lens_cpu
@@ -478,7 +483,7 @@ class LetheRuntime(PolicyRuntime):
                 self._round(_RoundBatch.of(policy, batch, self.ctx), engine)
 
     def _round(self, batch: _RoundBatch, engine: EngineOps) -> None:
-        own, rows, ranks = batch.policy, batch.rows, self.ctx.ranks
+        own, rows, ranks = batch.policy, batch.rows, self.summed_ranks
         counts = self.count[:, rows].T.tolist()  # [requests][layers]
         n = max(max(layer_counts) for layer_counts in counts)
         positions = self.positions[:, rows, :n].transpose(0, 1)  # [requests, layers, n]
@@ -504,9 +509,14 @@ class LetheRuntime(PolicyRuntime):
             self.layer_rows[:, rows, :n] = entries.gather(2, order).transpose(0, 1)
         retained = outcome.stays.sum(2)
         self.count[:, rows] = retained.T.to(torch.int32)
-        per_list, found, salient_plus_recent = torch.stack(
+        lists = torch.stack(
             [retained, found.view_as(retained).long(), salient_plus_recent.view_as(retained)]
-        ).tolist()
+        )
+        if self.list_ranks is not None:  # every rank's lists, by layer then KV head
+            everyone = self.list_ranks.gather(lists)  # [ranks, 3, requests, lists]
+            by_layer = everyone.unflatten(3, (self.ctx.num_layers, self.lists_per_layer))
+            lists = by_layer.permute(1, 2, 3, 0, 4).flatten(2)
+        per_list, found, salient_plus_recent = lists.tolist()
         available_before = engine.available_slots()
         engine.free_slots(outcome.freed)  # one call: SGLang's free reads its input on the host
         logger.info(
@@ -549,7 +559,7 @@ class LetheRuntime(PolicyRuntime):
     def _free_union(self, batch: _RoundBatch, positions, scores, keep) -> _RoundOutcome:
         """One retained set per request, capped (``cap_union_layers``): a slot goes back once no
         layer keeps its token, leaving a hole."""
-        own, ranks = batch.policy, self.ctx.ranks
+        own, ranks = batch.policy, self.summed_ranks
         kept_by_any = own.cap_union_layers(positions, scores, keep, batch.lengths)
         if ranks is not None:
             ranks.agree(kept_by_any.to(torch.int32), "the tokens a round's requests keep")
@@ -567,11 +577,12 @@ class LetheRuntime(PolicyRuntime):
     def _pack_layers(self, batch: _RoundBatch, positions, scores, keep) -> _RoundOutcome:
         """Per-layer memory: each layer's list capped (``cap_layers``), the kept entries of all
         layers packed into as few of each request's slots as hold them (``pack_rows``)."""
-        own, ranks = batch.policy, self.ctx.ranks
+        own, ranks = batch.policy, self.summed_ranks
         layers = keep.shape[1]
         row_lengths = [length for length in batch.lengths for _ in range(layers)]
         first = [request.state.rounds == 0 for request in batch.requests]
-        shared = own.shared_entries(positions, scores, keep, batch.lengths, first)
+        across = None if self.list_ranks is None else self.list_ranks.max
+        shared = own.shared_entries(positions, scores, keep, batch.lengths, first, across)
         flat = (t.flatten(0, 1) for t in (positions, scores, keep))
         shared = None if shared is None else shared.flatten(0, 1)
         stays = own.cap_layers(*flat, row_lengths, shared).view_as(keep)
@@ -583,6 +594,9 @@ class LetheRuntime(PolicyRuntime):
         packed = pack_rows(
             self.pooled, entries, stays, batch.slots, batch.own, self.ctx.padding_slot,
             columns=min(most, batch.slots.shape[1]), heads=self.lists_per_layer,
+            ranks=self.list_ranks,
         )  # fmt: skip
+        if self.list_ranks is not None:
+            self.list_ranks.agree(packed.slots, "the slots a round's requests keep")
         self.ctx.req_to_token[batch.rows, : packed.slots.shape[1]] = packed.slots.to(torch.int32)
         return _RoundOutcome(stays, packed.freed, packed.freed_counts, packed.entries)
