@@ -258,7 +258,8 @@ def test_tensor_parallel_ranks_with_lists_per_kv_head_keep_what_one_rank_keeps(k
             layer, head = divmod(lst, local)
             whole_list = layer * kv_heads + rank * local + head
             assert positions == expected_kept[whole_list]
-            torch.testing.assert_close(keys[lst].view_as(whole_keys[whole_list]), whole_keys[whole_list])
+            expected_keys = whole_keys[whole_list]
+            torch.testing.assert_close(keys[lst].view_as(expected_keys), expected_keys)
             # its own heads' scores: nothing summed over the ranks
             torch.testing.assert_close(scores[lst], whole_scores[whole_list])
 

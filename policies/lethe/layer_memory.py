@@ -97,8 +97,9 @@ def pack_rows(
     any request keeps (no layer of it keeps more entries). ``ranks`` (a ``RankGroup``): the
     tensor-parallel ranks, each with its own KV heads' lists; they agree on the slots that stay
     (the entries every rank's heads keep in a slot, the most slots any head needs), as one rank
-    with every head would. K/V rows are copied on the device; fixed shapes throughout but for one host read (how many entries move, how many
-    slots each request gives back), so a batch of requests costs one round's launches."""
+    with every head would. K/V rows are copied on the device; fixed shapes throughout but for
+    one host read (how many entries move, how many slots each request gives back), so a batch
+    of requests costs one round's launches."""
     requests, lists, n = entries.shape
     num_layers = lists // heads
     width, device = slots.shape[1], entries.device
