@@ -13,7 +13,7 @@ Defaults (RESULTS.md#eviction-fidelity), scores decayed by 0.99 a step in both l
 - served alone: a list per layer, half its cap recent, a round every 64 decoded tokens, and at a
   request's first round (its prompt compressed) half the rest of each layer's cap a shared core
   (the tokens the one retained set would rank first); on SmolLM2 closer to full attention on
-  text than one set and about as close as kvpress's SnapKV at equal KV, and more lookups
+  text than one set, though not as close as kvpress's SnapKV at equal KV, and more lookups
   answered than without;
 - under a selection (``lethe+tidal``), which reads one retained set: one set for every layer,
   0.3 of it recent, on Algorithm 1's threshold cadence;

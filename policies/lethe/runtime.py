@@ -509,14 +509,14 @@ class LetheRuntime(PolicyRuntime):
             self.layer_rows[:, rows, :n] = entries.gather(2, order).transpose(0, 1)
         retained = outcome.stays.sum(2)
         self.count[:, rows] = retained.T.to(torch.int32)
-        lists = torch.stack(
+        outcome_by_list = torch.stack(
             [retained, found.view_as(retained).long(), salient_plus_recent.view_as(retained)]
         )
         if self.list_ranks is not None:  # every rank's lists, by layer then KV head
-            everyone = self.list_ranks.gather(lists)  # [ranks, 3, requests, lists]
+            everyone = self.list_ranks.gather(outcome_by_list)  # [ranks, 3, requests, lists]
             by_layer = everyone.unflatten(3, (self.ctx.num_layers, self.lists_per_layer))
-            lists = by_layer.permute(1, 2, 3, 0, 4).flatten(2)
-        per_list, found, salient_plus_recent = lists.tolist()
+            outcome_by_list = by_layer.permute(1, 2, 3, 0, 4).flatten(2)
+        per_list, found, salient_plus_recent = outcome_by_list.tolist()
         available_before = engine.available_slots()
         engine.free_slots(outcome.freed)  # one call: SGLang's free reads its input on the host
         logger.info(
