@@ -158,11 +158,13 @@ def test_each_row_of_a_mixed_batch_decodes_as_under_its_own_policy_alone(device,
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="slot tables are read on CUDA")
 def test_members_that_read_their_slot_tables_at_a_layer_are_read_in_one_call():
-    mix = build_policy(NAME, MEMBERS)
+    # Lethe with one retained set reads the step's slot table at every layer (with its default
+    # per-layer lists each layer reads its own list of rows, never a shared table)
+    mix = build_policy(NAME, {**MEMBERS, "lethe": {**MEMBERS["lethe"], "per_layer": False}})
     _, runtime, _ = decode_step(mix, ROWS, "cuda")
     one_call = [[g.members for g in groups if g.tables] for groups in runtime.layers]
-    # DELTA's sparse layers are 2 and 3, Tidal's 3, Lethe reads its table at every layer; alone
-    # (layers 0 and 1) it reads its own
+    # DELTA's sparse layers are 2 and 3, Tidal's 3, Lethe's every layer; alone (layers 0 and 1)
+    # it reads its own
     assert one_call == [[], [], [(0, 2)], [(0, 1, 2)]]
     assert [len(groups) for groups in runtime.layers] == [2, 3, 3, 2]
 
