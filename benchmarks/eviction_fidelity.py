@@ -56,6 +56,7 @@ import importlib.util
 import itertools
 import json
 import time
+from pathlib import Path
 
 import torch
 from scipy import stats
@@ -138,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="evict_threshold of the policies that take one (Lethe's first round)",
     )  # fmt: skip
     parser.add_argument("--window", type=int, default=None, help="also the last W tokens")
+    parser.add_argument(
+        "--per-position", type=Path, default=None,
+        help="also write each method's top-1 and KL per passage and position (json) here",
+    )  # fmt: skip
     return parser
 
 
@@ -257,6 +262,18 @@ def means(results: dict, reference: str | None = None) -> dict[tuple[str, str, i
     return out
 
 
+def per_position(args, results: dict) -> dict:
+    """Each method's top-1 and KL per passage and measured position, by length, to find where
+    two methods differ (a mean over passages is carried by a few positions)."""
+    out: dict = {}
+    for (label, budget, length), (top1, kl, _) in results.items():
+        positions = list(range(args.positions_from, length, args.stride))
+        entry = out.setdefault(str(length), {"positions": positions, "methods": {}})
+        name = f"{label} {budget}".strip()
+        entry["methods"][name] = {"top1": top1.tolist(), "kl": kl.tolist()}
+    return out
+
+
 def paired(values: torch.Tensor, reference: torch.Tensor) -> tuple[float, float | None]:
     """``values`` minus ``reference`` ([passages, positions], the same positions): the mean and
     the 95 % half-width of the mean over passages (Student's t; None from one passage)."""
@@ -341,6 +358,8 @@ def main(argv: list[str] | None = None) -> None:
     info = RunInfo.detect()
     results = measure(args, model_path, texts_by_length)
     values = means(results, f"kvpress-{args.presses[0]}" if args.presses else None)
+    if args.per_position is not None:
+        args.per_position.write_text(json.dumps(per_position(args, results)))
     shape = model_slug(model_path)
     harness.save_results(
         BENCH, shape, rows_of(info, shape, values), info, args.out_dir, args.results_md

@@ -33,7 +33,7 @@ COMPOSED_LABEL = 'lethe+tidal[tidal={"budget_tokens": 16}]'
 
 
 @pytest.fixture(scope="module")
-def rows(model_path, tmp_path_factory) -> list[dict]:
+def run_dir(model_path, tmp_path_factory):
     pytest.importorskip("kvpress")
     out = tmp_path_factory.mktemp("eviction_fidelity")
     eviction_fidelity.main([
@@ -42,9 +42,15 @@ def rows(model_path, tmp_path_factory) -> list[dict]:
         "--compression-interval", str(INTERVAL), "--window", "64", "--evict-threshold", "64",
         "--policies", f'lethe;lethe:{{"max_kv_ratio": 0.5}};{COMPOSED}', "--threads", "1",
         "--out-dir", str(out), "--results-md", str(out / "RESULTS.md"),
+        "--per-position", str(out / "per-position.json"),
     ])  # fmt: skip
-    (rows_path,) = out.glob("eviction_fidelity-*.json")
     assert "| context | kv ratio asked | method |" in (out / "RESULTS.md").read_text()
+    return out
+
+
+@pytest.fixture(scope="module")
+def rows(run_dir) -> list[dict]:
+    (rows_path,) = run_dir.glob("eviction_fidelity-*.json")
     return json.loads(rows_path.read_text())
 
 
@@ -62,6 +68,19 @@ def test_rows_have_the_schema_and_name_the_ratio_asked(rows):
     assert {("full", ""), ("window-64", "64 tokens")} <= budgets
     assert {(COMPOSED_LABEL, "0.3"), (COMPOSED_LABEL, "1")} <= budgets
     assert len(budgets) == 2 * 6 + 3 + 2 + 2  # the explicit max_kv_ratio is measured once
+
+
+def test_per_position_values_are_what_the_rows_average(run_dir, rows):
+    by_length = json.loads((run_dir / "per-position.json").read_text())
+    positions = by_length[str(LENGTH)]["positions"]
+    assert positions == list(range(PROMPT, LENGTH, STRIDE))
+    methods = by_length[str(LENGTH)]["methods"]
+    kl_rows = {(r["policy"], r["budget"]): r["value"] for r in rows if r["metric"] == "kl_nats"}
+    for (label, budget), mean in kl_rows.items():
+        kl = torch.tensor(methods[f"{label} {budget}".strip()]["kl"])
+        assert kl.shape == (1, len(positions)), label
+        assert kl.mean().item() == pytest.approx(mean, rel=1e-5, abs=1e-9), label
+    assert torch.tensor(methods["lethe 0.3"]["kl"]).max() > 0  # the values, not zeros
 
 
 def test_keeping_everything_reads_as_full_attention(values):
