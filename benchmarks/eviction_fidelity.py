@@ -208,6 +208,11 @@ def passages(args, model_path) -> tuple[dict[int, list[list[int]]], str]:
     return by_length, source
 
 
+def measured_positions(args, length: int) -> list[int]:
+    """The positions of a ``length``-token passage whose next token is measured."""
+    return list(range(args.positions_from, length, args.stride))
+
+
 def measure(args, model_path, texts_by_length: dict[int, list[list[int]]]) -> dict:
     """(label, budget, length) -> (top-1 [passages, positions], KL [passages, positions], share
     of KV kept per position or [])."""
@@ -215,7 +220,7 @@ def measure(args, model_path, texts_by_length: dict[int, list[list[int]]]) -> di
     reads = readers(args, model)
     results: dict[tuple[str, str, int], list[list]] = {}
     for length, texts in texts_by_length.items():
-        positions = list(range(args.positions_from, length, args.stride))
+        positions = measured_positions(args, length)
         for ids in texts:
             start = time.perf_counter()
             passage = ag.Passage.prefill(model, ids, positions, hidden_states=bool(args.presses))
@@ -267,8 +272,9 @@ def per_position(args, results: dict) -> dict:
     two methods differ (a mean over passages is carried by a few positions)."""
     out: dict = {}
     for (label, budget, length), (top1, kl, _) in results.items():
-        positions = list(range(args.positions_from, length, args.stride))
-        entry = out.setdefault(str(length), {"positions": positions, "methods": {}})
+        entry = out.setdefault(
+            str(length), {"positions": measured_positions(args, length), "methods": {}}
+        )
         name = f"{label} {budget}".strip()
         entry["methods"][name] = {"top1": top1.tolist(), "kl": kl.tolist()}
     return out
