@@ -23,7 +23,9 @@ Methods, each at every kv ratio R of --kv-ratios (a row's ``budget``):
   (``kvpress-NAME/layer``: its scores averaged over the layer's KV heads, as on Lethe's runtime).
   ``--kvpress-order position`` (or ``both``) also measures each with its cache left by position
   after each compression (``…/position``), not in its top-k's order, which SnapKV's pooling
-  runs over at the next compression.
+  runs over at the next compression. ``--kvpress-driving plain`` (or ``both``) also measures
+  each without kvpress's decode-time RoPE of the last step alone and top-k's order of tied
+  scores (``…/plain``; ``kvpress_reads.KvpressReads``'s ``plain``).
 - each of --policies (``NAME`` or ``NAME:{json}``, ';'-separated), any registered policy that
   evicts or a selection composed over one (``lethe+tidal``: ``agreement.EvictedSelectionReads``),
   or a selection alone (``tidal``: ``agreement.SelectionReads``, once, at its budget),
@@ -131,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
         "or both",
     )  # fmt: skip
     parser.add_argument(
+        "--kvpress-driving", choices=("own", "plain", "both"), default="own",
+        help="kvpress's presses as kvpress drives them, without its decode-time RoPE of the last "
+        "step alone and top-k's order of tied scores (plain), or both",
+    )  # fmt: skip
+    parser.add_argument(
         "--policies", type=policy_list, default=[("lethe", {})],
         help="';'-separated NAME or NAME:{json}: registered policies that evict or select",
     )  # fmt: skip
@@ -183,16 +190,18 @@ def readers(args, model) -> dict[tuple[str, str], object]:
 
         per_layer = {"head": [False], "layer": [True], "both": [False, True]}[args.kvpress_lists]
         by_position = {"topk": [False], "position": [True], "both": [False, True]}
-        variants = itertools.product(per_layer, by_position[args.kvpress_order])
-        for ratio, name, (one_list, positional) in itertools.product(
+        plain = {"own": [False], "plain": [True], "both": [False, True]}[args.kvpress_driving]
+        variants = itertools.product(per_layer, by_position[args.kvpress_order], plain)
+        for ratio, name, (one_list, positional, plainly) in itertools.product(
             args.kv_ratios, args.presses, list(variants)
         ):
             press = kr.make_press(name, args.compression_interval)
             reads = kr.KvpressReads(
                 model, press, ratio, args.positions_from, args.compression_interval,
-                one_list_per_layer=one_list, by_position=positional,
+                one_list_per_layer=one_list, by_position=positional, plain=plainly,
             )  # fmt: skip
             label = f"kvpress-{name}" + "/layer" * one_list + "/position" * positional
+            label += "/plain" * plainly
             out[label, reads.budget] = reads
     fingerprint = model_fingerprint(model.config)
     return {**out, **policy_readers(args, model.config.num_hidden_layers, fingerprint)}

@@ -223,6 +223,42 @@ def test_the_driving_keeps_what_kvpress_own_hooks_keep(passage, name):
     assert torch.equal(held, reads.held(0))
 
 
+@pytest.mark.parametrize("per_kv_head", [True, False])
+@torch.inference_mode()
+def test_our_snapkv_keeps_what_kvpress_snapkv_keeps_entry_for_entry(passage, per_kv_head):
+    """The port, checked entry by entry: `snapkv` on Lethe's runtime, with kvpress's window (one
+    query short of the interval), keeps in every list what kvpress's SnapKV keeps, driven plainly
+    (``plain``: its window queries at their own positions, ties in cache order), at the prompt's
+    compression and two decode compressions; its lists are in kvpress's order after the prompt's.
+    Per KV head, and with one list per layer as kvpress's scores averaged over heads."""
+    from sglang_ext.policies import build_policy
+    from sglang_ext.policies.calibration import model_fingerprint
+    from sglang_ext.tools import kvpress_reads as kr
+
+    model, text = passage
+    num_layers = model.config.num_hidden_layers
+    theirs = kr.KvpressReads(
+        model, kr.make_press("snapkv", INTERVAL), 0.3, PROMPT, INTERVAL,
+        one_list_per_layer=not per_kv_head, plain=True,
+    )  # fmt: skip
+    params = {"compression_ratio": 0.7, "compression_interval": INTERVAL,
+              "window_size": INTERVAL - 1, "per_kv_head": per_kv_head}  # fmt: skip
+    ctx = at.cpu_context(num_layers, model_fingerprint(model.config))
+    ours = ag.decoded_reads(build_policy("snapkv", params).for_model(ctx), num_layers, PROMPT)
+    for position in (PROMPT, PROMPT + INTERVAL, PROMPT + 2 * INTERVAL):  # before each step
+        theirs.advance(text, position)
+        ours.advance(text, position)
+        runtime, heads = ours._runtime, ours._runtime.lists_per_layer
+        for layer in range(num_layers):
+            for head, kept in enumerate(theirs.held(layer)[:heads]):
+                i = layer * heads + head
+                held = runtime.positions[i, ours.ROW, : runtime.count[i, ours.ROW]]
+                assert int(held[-1]) == position  # the step's own token, then the kept
+                if position == PROMPT:
+                    assert held[:-1].tolist() == kept.tolist(), (layer, head)
+                assert sorted(held[:-1].tolist()) == sorted(kept.tolist()), (position, layer, head)
+
+
 @torch.inference_mode()
 def test_one_list_per_layer_keeps_the_same_entries_in_every_kv_head(passage):
     from sglang_ext.tools import kvpress_reads as kr

@@ -2,7 +2,6 @@
 round keeps under each rule, the freed slots and the packed per-layer lists, how the decode-time
 scores decay or reset, and the round cadence (the engine run is in test_engine_mix)."""
 
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -104,7 +103,7 @@ def test_a_round_keeps_what_the_rule_says_per_layer_and_frees_the_rest(name):
 
     runtime.prune([request], [length], pool.ops())
 
-    cap = math.ceil(0.3 * length)
+    cap = int(length * (1 - 0.7))  # kvpress's count: rounded down
     for layer in range(3):
         n = int(runtime.count[layer, row])
         kept = runtime.positions[layer, row, :n].long()
@@ -241,7 +240,7 @@ def test_rounds_come_at_the_first_decode_step_then_every_interval_and_snapkv_obs
             attention = []
         attention.append(decode_step(cache, runtime, seq_len))
     assert rounds_at == [prompt + 1 + k * interval for k in range(4)]
-    assert state.rounds == 4 and state.evicted == 64 - math.ceil(0.5 * 64)  # the last at 64 tokens
+    assert state.rounds == 4 and state.evicted == 64 - int(64 * 0.5)  # the last at 64 tokens
 
 
 def test_expected_kv_and_attended_tokens_follow_the_cap_and_the_interval():
@@ -249,13 +248,15 @@ def test_expected_kv_and_attended_tokens_follow_the_cap_and_the_interval():
     assert policy.round_cap(1000) == 250 and policy.expected_kv(10_000) == 2500 + 64
     assert policy.expected_kv(80) == 80 and policy.attended_tokens(1000, 30) == 250.0
     assert policy.budget() == "compression_ratio 0.75, compression_interval 64"
+    # kvpress's count, rounded down: 307 of 1,024 tokens at 0.7 (1 - 0.7 is 0.30000000000000004)
+    assert build_policy("snapkv", {"compression_ratio": 0.7}).round_cap(1024) == 307
 
 
-@pytest.mark.parametrize("name,recent", [("snapkv", 16), ("h2o", 10)])
+@pytest.mark.parametrize("name,recent", [("snapkv", 16), ("h2o", 12)])
 def test_the_recent_window_is_the_latest_positions_in_any_list_order(name, recent):
     """A list after a rank-ordered round is not by position: the cap still keeps the latest."""
-    policy = build_policy(name, {"compression_ratio": 0.8, "window_size": 16}
-                          if name == "snapkv" else {"compression_ratio": 0.8})  # fmt: skip
+    policy = build_policy(name, {"compression_ratio": 0.75, "window_size": 16}
+                          if name == "snapkv" else {"compression_ratio": 0.75})  # fmt: skip
     gen = torch.Generator().manual_seed(5)
     positions = torch.randperm(100, generator=gen)[None]
     scores = torch.rand(1, 100, generator=gen)

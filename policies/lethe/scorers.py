@@ -28,7 +28,6 @@ own query group's scores, as kvpress's presses do. No sink tokens (kvpress's def
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import ClassVar
 
 import torch
@@ -67,7 +66,8 @@ class DecodeScorer(EvictionPolicy):
         return retained + self.compression_interval - 1  # due after compression_interval steps
 
     def round_cap(self, length: int) -> int:
-        return max(1, math.ceil((1 - self.compression_ratio) * length))
+        # rounded down, at least 1, as kvpress's compute_n_kept and decoding target size
+        return max(1, int(length * (1 - self.compression_ratio)))
 
     def expected_kv(self, total_tokens: int) -> int:
         # a round leaves its cap; the request grows by an interval before the next

@@ -33,12 +33,15 @@ prefill's):
 Being kvpress's own inputs, they carry kvpress's decode-time behaviour: SnapKV's window queries and
 TOVA's last query are rotated by p's RoPE alone, ExpectedAttention averages RoPE over the positions
 after the buffer's length, and StreamingLLM and ExpectedAttention protect the first ``n_sink`` cache
-entries, which after a compression are the first of topk's order, not the first positions.
-SnapKV's window is kvpress's default shortened to fit in what the decoding press buffers between
-compressions (its score asserts that the window is shorter). Presses that need attention recompute
-it from hidden states (SnapKV: its window's queries; TOVA: the last query; ExpectedAttention: query
-statistics); KNorm, StreamingLLM and Random read only the cache. Random's draws come from a stream
-of its own, seeded per passage, so a passage measured again keeps the same positions.
+entries, which after a compression are the first of topk's order, not the first positions. Entries
+of equal score (SnapKV's window, all given the same top score) leave ``topk`` in an order of its
+own, which SnapKV's next pooling runs over. ``plain`` drives a press without the RoPE of p alone
+and with equal scores in cache order. SnapKV's window is kvpress's default shortened to fit in
+what the decoding press buffers between compressions (its score asserts that the window is
+shorter). Presses that need attention recompute it from hidden states (SnapKV: its window's
+queries; TOVA: the last query; ExpectedAttention: query statistics); KNorm, StreamingLLM and
+Random read only the cache. Random's draws come from a stream of its own, seeded per passage, so a
+passage measured again keeps the same positions.
 
 Where kvpress's own generation differs: tokens decoded after a compression see the compressed
 cache in the layers below, so their hidden states, keys and values (and so the presses' later
@@ -88,11 +91,17 @@ class KvpressReads(DecodedReads):
     policies on Lethe's runtime do): what per-head lists are worth, measured. ``by_position``:
     each compression leaves the cache by ascending position instead of in its top-k's order, so
     the next compression's pooling (SnapKV's) runs over neighbouring positions rather than over
-    entries that ranked alike: what kvpress's cache order is worth, measured."""
+    entries that ranked alike: what kvpress's cache order is worth, measured. ``plain``: without
+    the two behaviours of kvpress's driving that a port need not share (the module's docstring):
+    a decode compression's RoPE covers the buffered steps' own positions (SnapKV's window
+    queries each at its own), and equal scores keep their cache order (a stable sort, where
+    ``topk`` leaves the window's tied entries in an order of its own); what a port that agrees
+    with kvpress entry for entry is compared with (tests/test_bench_eviction_fidelity.py)."""
 
     def __init__(
         self, model, press, kv_ratio: float, prompt_len: int, compression_interval: int,
         seed: int = 0, one_list_per_layer: bool = False, by_position: bool = False,
+        plain: bool = False,
     ):  # fmt: skip
         from kvpress import CompressionRatioDecodingPress
 
@@ -101,6 +110,7 @@ class KvpressReads(DecodedReads):
         super().__init__(prompt_len)
         self.press, self.seed = press, seed
         self.one_list_per_layer, self.by_position = one_list_per_layer, by_position
+        self.plain = plain
         self.decoding = CompressionRatioDecodingPress(  # its default hidden_states_buffer_size
             base_press=press, target_compression_ratio=1 - kv_ratio,
             compression_interval=compression_interval,
@@ -158,7 +168,8 @@ class KvpressReads(DecodedReads):
         if position + 1 - self._since < self.decoding.compression_interval:
             return
         buffered = max(self._since, position - self.decoding.hidden_states_buffer_size)
-        self._compress(buffered, torch.tensor([position]), self._decode_ratio)
+        positions = torch.arange(buffered, position + 1) if self.plain else torch.tensor([position])
+        self._compress(buffered, positions, self._decode_ratio)
 
     def _decode_ratio(self, k_len: int, kwargs: dict) -> float:
         target = self.decoding._resolve_target_size(kwargs)
@@ -200,4 +211,7 @@ class KvpressReads(DecodedReads):
             self._rng = torch.get_rng_state()
         if self.one_list_per_layer:  # ties break alike in every head: the rows are equal
             scores = scores.mean(1, keepdim=True).expand_as(scores)
-        return scores.topk(compute_n_kept(cache.shape[1], ratio), dim=-1).indices[0]
+        n_kept = compute_n_kept(cache.shape[1], ratio)
+        if self.plain:
+            return scores.sort(dim=-1, descending=True, stable=True).indices[0, :, :n_kept]
+        return scores.topk(n_kept, dim=-1).indices[0]
