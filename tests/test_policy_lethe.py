@@ -216,7 +216,6 @@ def test_a_shared_core_keeps_what_one_layer_ranks_first_in_every_layer_at_the_fi
         Lethe(per_layer=False, shared_ratio=0.5)  # one set: every layer keeps the core already
 
 
-
 def test_the_prompts_seeds_keep_a_six_digit_value_beside_the_key_the_question_attends():
     """A lookup's question attends to a record's key; the answer is the value's digits after it,
     which the question barely attends. The default's seeds raise each to the key's score, so a
@@ -233,6 +232,7 @@ def test_the_prompts_seeds_keep_a_six_digit_value_beside_the_key_the_question_at
     narrow = Lethe(max_kv_ratio=0.3, recent_ratio=0.1, sink_tokens=0, observation_pool=9)
     kept = narrow.cap_layers(torch.arange(length)[None], narrow.seed(received)[None], keep, [length])
     assert not kept[0, key + 5 : key + 7].any()
+
 
 def test_a_step_attends_to_all_until_the_threshold_then_to_what_a_round_leaves():
     policy = Lethe(evict_threshold=1024, max_kv_ratio=0.3)
