@@ -19,7 +19,6 @@ PROMPTS = ["Once upon a time, in a small village by the sea,", "def fibonacci(n)
 COMMON = ["--max-total-tokens", "16384", "--log-level", "info", "--dtype", "float32"]
 CONFIGS = {
     "full": ("full", None),
-    "art_off": ("art", {"patience": 0}),
     "art": ("art", None),
     "delta+art": ("delta+art", {"budget_pages": 16, "recent_pages": 2}),
 }
@@ -37,9 +36,12 @@ def servers(model_path, strict_env, tmp_path_factory):
 
 
 def test_termination_off_gives_full_attentions_greedy_tokens(servers):
-    ours = servers["art_off"].generate(PROMPTS, max_new_tokens=24)
+    sampling = {"max_new_tokens": 24, "temperature": 0, "custom_params": {"kv_policy": {"patience": 0}}}
+    body = {"text": PROMPTS, "sampling_params": sampling}
+    response = requests.post(f"{servers['art'].url}/generate", json=body, timeout=300)
+    response.raise_for_status()
     theirs = servers["full"].generate(PROMPTS, max_new_tokens=24)
-    assert [o["output_ids"] for o in ours] == [t["output_ids"] for t in theirs]
+    assert [o["output_ids"] for o in response.json()] == [t["output_ids"] for t in theirs]
 
 
 @pytest.mark.parametrize("name", ["art", "delta+art"])

@@ -1,10 +1,8 @@
 """The real SGLang engine on CPU with SmolLM2 serving several policies at once
-(``--policy lethe,delta,tidal,full``), beside a single-policy server of each with the same
-parameters: requests of the four policies decode in one batch, each giving the greedy tokens its
-own server gives it, under its own report and metrics label, beside the radix cache, with
-SGLang's strict KV checks silent. The mix also serves SnapKV, TOVA and H2O on Lethe's eviction
-runtime, each request naming its own. (Five CPU servers: in their own module, as eight at once do
-not fit a 24 GB machine.)"""
+(``--policy lethe,delta,tidal,full,snapkv,tova,h2o``): requests of four policies decode in one
+batch, each giving the greedy tokens a batch of its own policy gives, under its own report and
+metrics label, beside the radix cache, with SGLang's strict KV checks silent; SnapKV, TOVA and H2O
+run on Lethe's eviction runtime, each request naming its own."""
 
 import math
 import re
@@ -19,7 +17,7 @@ from sglang_ext.server.metrics import by_policy
 pytestmark = pytest.mark.engine
 
 COMMON = ["--max-total-tokens", "16384", "--log-level", "info", "--dtype", "float32"]
-# member -> its config (None: defaults), on the mix and on its own server
+# member -> its config on the mix (None: defaults)
 MIX_MEMBERS = {
     "lethe": {"evict_threshold": 128, "max_kv_ratio": 0.5},  # rounds from 128 tokens on
     "delta": {"budget_pages": 4, "recent_pages": 1},
@@ -33,14 +31,13 @@ MIX = ",".join([*MIX_MEMBERS, *SCORERS])
 
 
 @pytest.fixture(scope="module")
-def servers(model_path, strict_env, tmp_path_factory):
+def server(model_path, strict_env, tmp_path_factory):
     logs = tmp_path_factory.mktemp("mix-logs")
-    configs = {name: (name, config, COMMON) for name, config in MIX_MEMBERS.items()}
     mix_config = {name: config for name, config in {**MIX_MEMBERS, **SCORERS}.items() if config}
     mix_flags = [*COMMON, "--enable-metrics", "--decode-log-interval", "1"]
-    configs["mix"] = (MIX, mix_config, mix_flags)
+    configs = {"mix": (MIX, mix_config, mix_flags)}
     with policy_servers(model_path, strict_env, logs, configs) as started:
-        yield started
+        yield started["mix"]
 
 
 # About 300 tokens each: more than DELTA's 4 pages and Tidal's 64 tokens, past Lethe's threshold;
@@ -68,41 +65,40 @@ def _batch(server, texts, kv_policies, max_new_tokens=16):
     return response.json()
 
 
-def test_four_policies_in_one_batch_each_give_their_own_servers_tokens(servers):
-    mixed = _batch(servers["mix"], MIX_PROMPTS, [{"name": name} for name in MIX_MEMBERS])
-    batch = re.findall(r"Decode batch, #running-req: (\d+)", servers["mix"].log())
+def test_four_policies_in_one_batch_each_give_their_own_tokens(server):
+    mixed = _batch(server, MIX_PROMPTS, [{"name": name} for name in MIX_MEMBERS])
+    batch = re.findall(r"Decode batch, #running-req: (\d+)", server.log())
     assert max(int(n) for n in batch) == 4  # decoded together
     for i, name in enumerate(MIX_MEMBERS):
-        # its own server decodes the same four prompts, so every row's batch is the same shape
-        alone = _batch(servers[name], MIX_PROMPTS, [None] * 4)
+        # the same four prompts, all under this member: every row's batch is the same shape
+        alone = _batch(server, MIX_PROMPTS, [{"name": name}] * 4)
         assert mixed[i]["output_ids"] == alone[i]["output_ids"], name
         assert mixed[i]["meta_info"]["kv_policy"][-1] == name
     lethe = mixed[0]["meta_info"]
     assert lethe["kv_evicted_tokens"][-1] > 0
     assert all(m["meta_info"]["kv_evicted_tokens"][-1] == 0 for m in mixed[1:])
     # at SmolLM2's first selection layers (its calibration)
-    assert re.search(r"delta layer \d+ first selected fewer pages", servers["mix"].log())
-    assert re.search(r"tidal layer \d+ first selected fewer tokens", servers["mix"].log())
+    assert re.search(r"delta layer \d+ first selected fewer pages", server.log())
+    assert re.search(r"tidal layer \d+ first selected fewer tokens", server.log())
     # the requests' series are labelled by the policy each decoded under
-    steps = by_policy(servers["mix"].metrics(), "sglang_ext:attended_tokens_per_step_count")
+    steps = by_policy(server.metrics(), "sglang_ext:attended_tokens_per_step_count")
     own = {name: n >= 15 for name, n in steps.items() if name not in SCORERS}
     assert own == dict.fromkeys(MIX_MEMBERS, True)
-    assert_pool_exact(*servers.values())
+    assert_pool_exact(server)
 
 
-def test_the_policy_endpoint_lists_the_enabled_policies(servers):
-    info = requests.get(f"{servers['mix'].url}/policy", timeout=30).json()
+def test_the_policy_endpoint_lists_the_enabled_policies(server):
+    info = requests.get(f"{server.url}/policy", timeout=30).json()
     assert info["policy"]["name"] == MIX and info["policy"]["delta"]["budget_pages"] == 4
     assert list(info["per_request"]["policies"]) == MIX.split(",")
     assert info["per_request"]["policies"]["tidal"] == ["budget_tokens"]
     body = {"text": STORY, "sampling_params": {"custom_params": {"kv_policy": {"name": "art"}}}}
-    refused = requests.post(f"{servers['mix'].url}/generate", json=body, timeout=60)
+    refused = requests.post(f"{server.url}/generate", json=body, timeout=60)
     assert refused.status_code == 400 and "kv_policy.name" in refused.text
     assert f"(valid: {MIX.replace(',', ', ')})" in refused.text
 
 
-def test_a_prefix_shared_by_a_full_and_a_lethe_request_is_never_freed(servers):
-    server = servers["mix"]
+def test_a_prefix_shared_by_a_full_and_a_lethe_request_is_never_freed(server):
     prefix = " ".join([STORY] * 4)  # about 80 tokens, cached whole by the full request
     first = _batch(server, [prefix], [{"name": "full"}], max_new_tokens=8)[0]
     longer = _batch(server, [prefix + " One morning"], [{"name": "lethe"}], 160)[0]
@@ -120,8 +116,7 @@ SCORER_ROUND = re.compile(
 )
 
 
-def test_snapkv_tova_and_h2o_each_evict_under_its_own_rule_and_cap(servers):
-    server = servers["mix"]
+def test_snapkv_tova_and_h2o_each_evict_under_its_own_rule_and_cap(server):
     specs = [{"name": "snapkv"}, {"name": "tova", "compression_ratio": 0.75}, {"name": "h2o"}]
     # prompts of their own: no longer prefix of them is in the radix tree
     prompts = [f"{spec['name']}: {prompt}" for spec, prompt in zip(specs, MIX_PROMPTS)]
