@@ -16,7 +16,7 @@ from server import assert_pool_exact, policy_servers
 pytestmark = pytest.mark.engine
 
 PROMPTS = ["Once upon a time, in a small village by the sea,", "def fibonacci(n):\n    "]
-COMMON = ["--max-total-tokens", "16384", "--log-level", "info", "--dtype", "float32"]
+COMMON = ["--max-total-tokens", "4096", "--log-level", "info", "--dtype", "float32"]
 CONFIGS = {
     "full": ("full", None),
     "art": ("art", None),

@@ -37,7 +37,7 @@ ROUND = re.compile(r"(\w+)\+(tidal|delta) round \d+ of (\w+): (\d+) positions, f
 @pytest.fixture(scope="module")
 def server(model_path, strict_env, tmp_path_factory):
     logs = tmp_path_factory.mktemp("composition-logs")
-    flags = ["--max-total-tokens", "16384", "--log-level", "info", "--dtype", "float32"]
+    flags = ["--max-total-tokens", "4096", "--log-level", "info", "--dtype", "float32"]
     with policy_servers(model_path, strict_env, logs, {"mix": (MIX, CONFIG, flags)}) as started:
         yield started["mix"]
 

@@ -19,7 +19,7 @@ PROMPTS = [
     "def fibonacci(n):\n    ",
     "Water boils at a temperature of",
 ]
-COMMON = ["--max-total-tokens", "16384", "--log-level", "info"]
+COMMON = ["--max-total-tokens", "4096", "--log-level", "info"]
 API_KEY = "sk-test-key"
 
 

@@ -16,7 +16,7 @@ from sglang_ext.server.metrics import by_policy
 
 pytestmark = pytest.mark.engine
 
-COMMON = ["--max-total-tokens", "16384", "--log-level", "info", "--dtype", "float32"]
+COMMON = ["--max-total-tokens", "4096", "--log-level", "info", "--dtype", "float32"]
 # member -> its config on the mix (None: defaults)
 MIX_MEMBERS = {
     "lethe": {"evict_threshold": 128, "max_kv_ratio": 0.5},  # rounds from 128 tokens on

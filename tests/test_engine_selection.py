@@ -23,7 +23,7 @@ LONG_PROMPT = " ".join(
 ) + " Question: how many marbles does the green box of fact 2 hold? Answer:"
 CORRECTION_INTERVAL = 8
 # float32: the correction test compares K/V that bf16 would round differently per chunking
-COMMON = ["--max-total-tokens", "16384", "--log-level", "info", "--dtype", "float32"]
+COMMON = ["--max-total-tokens", "4096", "--log-level", "info", "--dtype", "float32"]
 CONFIGS = {
     "full": None,
     "delta": None,  # the defaults (64 pages, 1024 tokens) cover every prompt here: exact
