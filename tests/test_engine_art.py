@@ -36,7 +36,8 @@ def servers(model_path, strict_env, tmp_path_factory):
 
 
 def test_termination_off_gives_full_attentions_greedy_tokens(servers):
-    sampling = {"max_new_tokens": 24, "temperature": 0, "custom_params": {"kv_policy": {"patience": 0}}}
+    off = {"kv_policy": {"patience": 0}}
+    sampling = {"max_new_tokens": 24, "temperature": 0, "custom_params": off}
     body = {"text": PROMPTS, "sampling_params": sampling}
     response = requests.post(f"{servers['art'].url}/generate", json=body, timeout=300)
     response.raise_for_status()
