@@ -131,12 +131,13 @@ def build_mix(name: str, params: dict[str, Any], build) -> PolicyMix:
 
 class MemberView:
     """A decode batch as one member of a mix sees it: its own rows as they are, every other row
-    one token long; everything else is the batch's."""
+    one token long, on the device and on the host (None where the host's lengths are unknown);
+    everything else is the batch's."""
 
-    __slots__ = ("_batch", "seq_lens")
+    __slots__ = ("_batch", "seq_lens", "seq_lens_cpu")
 
-    def __init__(self, batch, seq_lens: torch.Tensor):
-        self._batch, self.seq_lens = batch, seq_lens
+    def __init__(self, batch, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor | None):
+        self._batch, self.seq_lens, self.seq_lens_cpu = batch, seq_lens, seq_lens_cpu
 
     def __getattr__(self, name: str):
         return getattr(self._batch, name)
@@ -190,6 +191,7 @@ class MixRuntime(PolicyRuntime):
             for dtype in (torch.int64, torch.int32)
         }
         self._views: list[MemberView] = []
+        self._host_members: torch.Tensor | None = None  # each row's member, this decode step
         self._prefilling: list[int] = []  # members whose prefill plan runs now
         self.graphable = True
         unions: list[tuple[int, ...]] = []
@@ -322,6 +324,11 @@ class MixRuntime(PolicyRuntime):
     def run_plan(self, plan: MixPlan, forward_batch, engine: EngineOps) -> None:
         plans = plan.parts
         self._prefilling = [] if plan.decode else [i for i, p in enumerate(plans) if p.requests]
+        self._host_members = None
+        if plan.decode:
+            self._host_members = torch.empty(len(plan.requests), dtype=torch.int64)
+            for request in plan.requests:
+                self._host_members[request.index] = self.index[request.state.policy.name]
         if not plan.decode and plan.requests:
             rows = torch.tensor([r.row for r in plan.requests], dtype=torch.int64)
             ids = torch.tensor([self.index[r.state.policy.name] for r in plan.requests])
@@ -341,7 +348,15 @@ class MixRuntime(PolicyRuntime):
             torch.any(masks.index_select(0, ids), dim=0, out=self.group_masks[union, :batch])
         seq_lens = self._member_seq_lens[forward_batch.seq_lens.dtype][:, :batch]
         torch.where(masks, forward_batch.seq_lens[None, :], self._one, out=seq_lens)
-        self._views = [MemberView(forward_batch, seq_lens[i]) for i in range(len(self.members))]
+        host = forward_batch.seq_lens_cpu
+        members = self._host_members
+        if host is None or members is None or members.shape[0] != batch:
+            host_lens = [None] * len(self.members)  # a graph's capture, or no plan this step
+        else:
+            host_lens = [torch.where(members == i, host, 1) for i in range(len(self.members))]
+        self._views = [
+            MemberView(forward_batch, seq_lens[i], host_lens[i]) for i in range(len(self.members))
+        ]
         for runtime, view in zip(self.members, self._views, strict=True):
             runtime.prepare_decode(view)
 

@@ -2,6 +2,7 @@
 row what its own policy's runtime gives it alone (on a small synthetic KV cache)."""
 
 import dataclasses
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -154,6 +155,18 @@ def test_each_row_of_a_mixed_batch_decodes_as_under_its_own_policy_alone(device,
     assert lethe.scores[:, row, : SEQ_LENS[2]].sum(1).gt(0).all()
     others = cache.batch.req_pool_indices[[0, 1, 3, 4]]
     assert lethe.count[:, others].eq(0).all()  # never reset nor appended to
+
+
+def test_a_member_judges_its_first_selection_by_its_own_rows(caplog):
+    # DELTA's 300-token row passes Tidal's 24-token budget, Tidal's own 17-token row does not:
+    # Tidal selects nothing fewer and says nothing of it
+    rows = ("delta", "full", "full", "full", "tidal")
+    with caplog.at_level(logging.INFO, logger="sglang_ext.policies.selection"):
+        decode_step(build_policy(NAME, MEMBERS), rows, "cpu")
+    assert "delta layer 1 first selected fewer pages than a request has: [4, 1, 1, 1, 1]" in (
+        caplog.text
+    )
+    assert "tidal layer" not in caplog.text
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="slot tables are read on CUDA")
