@@ -50,11 +50,11 @@ SERVERS = {
     # cap, RETRACTED, free none: SGLang retracts)
     "prune": (
         {"evict_threshold": 4096},
-        ["--max-total-tokens", "700", "--schedule-conservativeness", "0.05", "--enable-metrics"],
+        ["--max-total-tokens", "350", "--schedule-conservativeness", "0.05", "--enable-metrics"],
     ),
 }
-# rounds from 256 tokens on, but without a cap and without breakpoints every layer keeps all
-RETRACTED = {"evict_threshold": 256, "max_kv_ratio": 1.0}
+# rounds from 128 tokens on, but without a cap and without breakpoints every layer keeps all
+RETRACTED = {"evict_threshold": 128, "max_kv_ratio": 1.0}
 RUNNING = re.compile(r"Decode batch, #running-req: (\d+)")
 
 
@@ -260,8 +260,8 @@ def test_slots_a_round_frees_admit_a_waiting_request(servers):
 def test_short_decode_memory_prunes_instead_of_retracting(servers):
     server = servers["prune"]
     seen = len(server.log())
-    # 3 x 275 tokens > 700 slots: short of memory even if one of the four is admitted late
-    four_at_once(server, 250)
+    # 3 x 150 tokens > 350 slots: short of memory even if one of the four is admitted late
+    four_at_once(server, 125)
     assert metric(server.metrics(), "sglang_ext:memory_relief_tokens_total") > 0
     assert "Retract requests" not in server.log()[seen:]
     assert_pool_exact(server)
@@ -270,7 +270,7 @@ def test_short_decode_memory_prunes_instead_of_retracting(servers):
 def test_retraction_and_readmission_leak_nothing(servers):
     server = servers["prune"]
     seen = len(server.log())
-    outs = four_at_once(server, kv_policy=RETRACTED)
+    outs = four_at_once(server, 150, kv_policy=RETRACTED)  # 4 x 175 tokens in 350 slots
     assert "Retract requests" in server.log()[seen:]
     assert any(rounds_of(server, o["meta_info"]["id"]) for o in outs)
     assert_pool_exact(server)
