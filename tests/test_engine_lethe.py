@@ -43,18 +43,21 @@ SERVERS = {
         {"evict_threshold": THRESHOLD, "max_kv_ratio": MAX_KV_RATIO, "per_kv_head": True},
         ["--max-total-tokens", "16384", "--enable-metrics"],
     ),
-    # pools too small for 4 requests x 325 tokens at their full length
-    "admit": ({"evict_threshold": 256}, ["--max-total-tokens", "830"]),
+    # pools too small for 4 requests x 175 tokens at their full length
+    "admit": ({"evict_threshold": 128}, ["--max-total-tokens", "425"]),
     # an optimistic admission lets all 4 in; the decode memory runs short long before a round
-    # is due, so only the relief before retraction can free slots (and requests that ask for no
-    # cap, RETRACTED, free none: SGLang retracts)
+    # is due, so only the relief before retraction can free slots
     "prune": (
         {"evict_threshold": 4096},
         ["--max-total-tokens", "350", "--schedule-conservativeness", "0.05", "--enable-metrics"],
     ),
+    # ... and where no cap frees memory (per-layer memory, the paper's rule at a ratio that
+    # keeps most of SmolLM2's tokens), SGLang retracts
+    "retract": (
+        {"evict_threshold": 256, "max_kv_ratio": 1.0, "sparse_ratio": 1000.0},
+        ["--max-total-tokens", "700", "--schedule-conservativeness", "0.05"],
+    ),
 }
-# rounds from 128 tokens on, but without a cap and without breakpoints every layer keeps all
-RETRACTED = {"evict_threshold": 128, "max_kv_ratio": 1.0}
 RUNNING = re.compile(r"Decode batch, #running-req: (\d+)")
 
 
@@ -66,10 +69,8 @@ def servers(model_path, strict_env, tmp_path_factory):
         yield started
 
 
-def generate(server, text, max_new_tokens, kv_policy: dict | None = None):
+def generate(server, text, max_new_tokens):
     sampling = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
-    if kv_policy:
-        sampling["custom_params"] = {"kv_policy": kv_policy}
     body = {"text": text, "sampling_params": sampling}
     response = requests.post(f"{server.url}/generate", json=body, timeout=900)
     response.raise_for_status()
@@ -211,38 +212,39 @@ def test_radix_prefix_reused_under_rounds_is_never_freed(servers, name):
     assert_pool_exact(server)
 
 
-def four_at_once(server, max_new_tokens: int = 300, kv_policy: dict | None = None) -> list[dict]:
+def four_at_once(server, max_new_tokens: int = 300) -> list[dict]:
     """Four requests of one batched call: they reach the scheduler together (four separate
     calls may arrive steps apart on a loaded machine and never compete for memory)."""
-    outs = generate(server, [f"{STORY} (story {i})" for i in range(4)], max_new_tokens, kv_policy)
+    outs = generate(server, [f"{STORY} (story {i})" for i in range(4)], max_new_tokens)
     assert [o["meta_info"]["completion_tokens"] for o in outs] == [max_new_tokens] * 4
     return outs
 
 
 def test_admission_counts_requests_at_their_expected_retained_kv(servers):
-    # At full length (325 tokens) SGLang's own admission runs 2 of them in 830 slots; counted at
-    # lethe's expected 256 tokens, 3 fit.
+    # At full length (175 tokens) SGLang's own admission runs 2 of them in 425 slots; counted at
+    # lethe's expected 128 tokens (its first round's threshold), 3 fit.
     server = servers["admit"]
-    four_at_once(server)
+    four_at_once(server, 150)
     assert max(int(n) for n in RUNNING.findall(server.log())) >= 3
     assert "Retract requests" not in server.log()
     assert_pool_exact(server)
 
 
 def test_slots_a_round_frees_admit_a_waiting_request(servers):
-    # A decodes, counted at its expected 256 of 830 slots. B and C, 300-token prompts, arrive
-    # together: B fits, C does not (301 > 830 - 256 - 301), and SGLang stops trying its queue.
-    # B's first round, its next step, frees most of its prompt (then counted at its expected
-    # 256 too): C fits beside A and B, and runs with them rather than once B has finished.
+    # A decodes, counted at its expected 130 of 425 slots (a round's cap of its 219 tokens and
+    # a round's interval). B and C, 150-token prompts, arrive together: B fits, C does not
+    # (151 > 425 - 130 - 151), and SGLang stops trying its queue. B's first round, its next step,
+    # frees most of its prompt (then counted at its expected 128): C fits beside A and B, and
+    # runs with them rather than once B has finished.
     server = servers["admit"]
     seen = len(server.log())
-    sampling = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+    sampling = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
     body = {"text": STORY, "stream": True, "sampling_params": sampling}
     with requests.post(f"{server.url}/generate", json=body, stream=True, timeout=300) as first:
         lines = first.iter_lines()  # one iterator: a dropped one closes the stream (an abort)
         next(line for line in lines if line.startswith(b"data:"))  # A decodes
-        prompts = [[100 + (37 * (j + 300 * i)) % 40000 for j in range(300)] for i in range(2)]
-        sampling = {**sampling, "max_new_tokens": 100}
+        prompts = [[100 + (37 * (j + 300 * i)) % 40000 for j in range(150)] for i in range(2)]
+        sampling = {**sampling, "max_new_tokens": 50}
         response = requests.post(
             f"{server.url}/generate", json={"input_ids": prompts, "sampling_params": sampling},
             timeout=300,
@@ -250,8 +252,8 @@ def test_slots_a_round_frees_admit_a_waiting_request(servers):
         assert sum(1 for line in lines if line.startswith(b"data:")) > 1  # A to its end
     response.raise_for_status()
     outs = response.json()
-    assert [o["meta_info"]["completion_tokens"] for o in outs] == [100, 100]
-    assert int(rounds_of(server, outs[0]["meta_info"]["id"])[0][4]) > 150
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == [50, 50]
+    assert int(rounds_of(server, outs[0]["meta_info"]["id"])[0][4]) > 75
     assert max(int(n) for n in RUNNING.findall(server.log()[seen:])) == 3
     assert "Retract requests" not in server.log()
     assert_pool_exact(server)
@@ -259,18 +261,16 @@ def test_slots_a_round_frees_admit_a_waiting_request(servers):
 
 def test_short_decode_memory_prunes_instead_of_retracting(servers):
     server = servers["prune"]
-    seen = len(server.log())
-    # 3 x 150 tokens > 350 slots: short of memory even if one of the four is admitted late
+    # 3 x 149 tokens > 350 slots: short of memory even if one of the four is admitted late
     four_at_once(server, 125)
     assert metric(server.metrics(), "sglang_ext:memory_relief_tokens_total") > 0
-    assert "Retract requests" not in server.log()[seen:]
+    assert "Retract requests" not in server.log()
     assert_pool_exact(server)
 
 
 def test_retraction_and_readmission_leak_nothing(servers):
-    server = servers["prune"]
-    seen = len(server.log())
-    outs = four_at_once(server, 150, kv_policy=RETRACTED)  # 4 x 175 tokens in 350 slots
-    assert "Retract requests" in server.log()[seen:]
+    server = servers["retract"]
+    outs = four_at_once(server)
+    assert "Retract requests" in server.log()
     assert any(rounds_of(server, o["meta_info"]["id"]) for o in outs)
     assert_pool_exact(server)
