@@ -194,10 +194,10 @@ def test_lists_per_kv_head_read_each_query_group_its_heads_list(passage):
     model, text = passage
     layers = model.config.num_hidden_layers
     untouched = build_policy("lethe", {"evict_threshold": 1000, "per_kv_head": True})
-    top1, kl = text.measure(model, ag.LetheReads(untouched, layers, prompt_len=200))
+    top1, kl = text.measure(model, ag.LetheReads(untouched, layers, prompt_len=256))
     assert bool((top1 == 1).all()) and float(kl.max()) < 1e-6
     lethe = build_policy("lethe", {"evict_threshold": 64, "max_kv_ratio": 0.3, "per_kv_head": True})
-    reads = ag.LetheReads(lethe, layers, prompt_len=200)
+    reads = ag.LetheReads(lethe, layers, prompt_len=256)
     _, kl = text.measure(model, reads)
     assert all(share < 0.5 for share in reads.take_kept()) and float(kl.mean()) > 1e-4
     runtime, heads = reads._runtime, model.config.num_key_value_heads
