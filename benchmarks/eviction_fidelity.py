@@ -57,7 +57,9 @@ import dataclasses
 import importlib.util
 import itertools
 import json
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -147,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--window", type=int, default=None, help="also the last W tokens")
     parser.add_argument(
+        "--processes", type=int, default=1,
+        help="worker processes the passages are spread over, --threads threads each",
+    )  # fmt: skip
+    parser.add_argument(
         "--per-position", type=Path, default=None,
         help="also write each method's top-1 and KL per passage and position (json) here",
     )  # fmt: skip
@@ -224,31 +230,59 @@ def measured_positions(args, length: int) -> list[int]:
 
 def measure(args, model_path, texts_by_length: dict[int, list[list[int]]]) -> dict:
     """(label, budget, length) -> (top-1 [passages, positions], KL [passages, positions], share
-    of KV kept per position or [])."""
+    of KV kept per position or []). With --processes N > 1 each (passage, method) pair is a task
+    for one of N worker processes of --threads threads each, every worker building the same model
+    and reads (the measure of a method on a passage does not depend on what ran before it), and
+    the values are gathered in passage order."""
     model = ag.load_model(model_path, torch.float32)
-    reads = readers(args, model)
+    keys = list(readers(args, model))
+    passages = [(length, ids) for length, texts in texts_by_length.items() for ids in texts]
+    tasks = [(number, key) for number in range(len(passages)) for key in keys]
+    if args.processes > 1:
+        del model
+        context = multiprocessing.get_context("spawn")  # torch's threads do not survive a fork
+        with ProcessPoolExecutor(
+            min(args.processes, len(tasks)), mp_context=context,
+            initializer=_start_worker, initargs=(args, model_path, passages),
+        ) as pool:  # fmt: skip
+            measured = list(pool.map(_measure_in_worker, tasks))
+    else:
+        _start_worker(args, model_path, passages, model)
+        measured = [_measure_in_worker(task) for task in tasks]
     results: dict[tuple[str, str, int], list[list]] = {}
-    for length, texts in texts_by_length.items():
-        positions = measured_positions(args, length)
-        for ids in texts:
-            start = time.perf_counter()
-            passage = ag.Passage.prefill(model, ids, positions, hidden_states=bool(args.presses))
-            for (label, budget), reader in reads.items():
-                began = time.perf_counter()
-                top1, kl = passage.measure(model, reader)
-                entry = results.setdefault((label, budget, length), [[], [], []])
-                entry[0].append(top1)
-                entry[1].append(kl)
-                entry[2] += reader.take_kept()
-                print(
-                    f"{BENCH}: {label} {budget} in {time.perf_counter() - began:.0f} s", flush=True
-                )
-            elapsed = time.perf_counter() - start
-            print(
-                f"{BENCH}: {length}-token passage, {len(positions)} positions in {elapsed:.0f} s",
-                flush=True,
-            )
+    for (number, (label, budget)), (top1, kl, kept) in zip(tasks, measured, strict=True):
+        entry = results.setdefault((label, budget, passages[number][0]), [[], [], []])
+        entry[0].append(top1)
+        entry[1].append(kl)
+        entry[2] += kept
     return {key: (torch.stack(t), torch.stack(k), kept) for key, (t, k, kept) in results.items()}
+
+
+_worker: dict = {}  # this process's args, passages, model, reads and last prefilled passage
+
+
+def _start_worker(args, model_path, passages, model=None) -> None:
+    torch.set_num_threads(args.threads)
+    model = model or ag.load_model(model_path, torch.float32)
+    _worker.update(args=args, passages=passages, model=model, reads=readers(args, model))
+    _worker["prefilled"] = (None, None)
+
+
+def _measure_in_worker(task: tuple[int, tuple[str, str]]) -> tuple:
+    """One method on one passage: (top-1, KL, kept per position)."""
+    number, key = task
+    args, model = _worker["args"], _worker["model"]
+    length, ids = _worker["passages"][number]
+    began = time.perf_counter()
+    if _worker["prefilled"][0] != number:  # tasks come passage by passage: mostly prefilled
+        positions = measured_positions(args, length)
+        passage = ag.Passage.prefill(model, ids, positions, hidden_states=bool(args.presses))
+        _worker["prefilled"] = (number, passage)
+    top1, kl = _worker["prefilled"][1].measure(model, _worker["reads"][key])
+    kept = _worker["reads"][key].take_kept()
+    elapsed = time.perf_counter() - began
+    print(f"{BENCH}: passage {number}, {' '.join(key).strip()} in {elapsed:.0f} s", flush=True)
+    return top1, kl, kept
 
 
 def means(results: dict, reference: str | None = None) -> dict[tuple[str, str, int], dict]:
@@ -355,6 +389,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--positions-from {args.positions_from} must lie inside each of --lengths")
     if not all(0 < ratio <= 1 for ratio in args.kv_ratios):
         parser.error(f"--kv-ratios {args.kv_ratios}: each must be in (0, 1]")
+    if args.processes < 1:
+        parser.error(f"--processes {args.processes}: must be >= 1")
     if args.presses and args.compression_interval < 2:
         parser.error("--compression-interval must be >= 2 (SnapKV's window is shorter than it)")
     if args.presses and importlib.util.find_spec("kvpress") is None:

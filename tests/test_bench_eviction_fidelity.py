@@ -107,6 +107,24 @@ def test_at_a_compression_a_press_holds_the_ratio_asked(values):
     assert 0.3 < values["lethe", "0.3", "kv_kept_fraction"] < 0.5
 
 
+def test_passages_spread_over_processes_measure_as_one_process_does(run_dir, model_path, tmp_path):
+    """Two worker processes, a passage each, gathered in passage order: the first passage's values
+    are the single-process run's to the last digit, and the second is another passage."""
+    eviction_fidelity.main([
+        "--model-path", str(model_path), "--lengths", str(LENGTH), "--prompts-per-length", "2",
+        "--positions-from", str(PROMPT), "--stride", str(STRIDE), "--kv-ratios", "0.3",
+        "--evict-threshold", "64", "--presses", "", "--policies", "lethe", "--threads", "1",
+        "--processes", "2", "--out-dir", str(tmp_path), "--results-md", str(tmp_path / "R.md"),
+        "--per-position", str(tmp_path / "per-position.json"),
+    ])  # fmt: skip
+    spread = json.loads((tmp_path / "per-position.json").read_text())[str(LENGTH)]["methods"]
+    alone = json.loads((run_dir / "per-position.json").read_text())[str(LENGTH)]["methods"]
+    for metric in ("top1", "kl"):
+        assert len(spread["lethe 0.3"][metric]) == 2
+        assert spread["lethe 0.3"][metric][0] == alone["lethe 0.3"][metric][0], metric
+    assert spread["lethe 0.3"]["kl"][1] != spread["lethe 0.3"]["kl"][0]
+
+
 @pytest.mark.parametrize(
     "text, message",
     [("full", "neither evicts nor selects"), ("lethe:{oops", "not JSON"), ("lethe:[1]", "JSON object"),
