@@ -5,6 +5,9 @@ how much KV it held for it.
 
     python -m benchmarks.eviction_fidelity --lengths 4096 --prompts-per-length 3 --kv-ratios 0.2,0.3,0.5
 
+Each (passage, method) pair is measured on its own, so ``--processes N --threads 1`` spreads
+them over N cores: a sweep of rules over 18 passages fits a many-core host's few minutes.
+
 The measure is benchmarks.agreement's (sglang_ext.tools.agreement): a passage of natural text is
 prefilled once under full attention (transformers, SmolLM2's real weights, fp32, CPU); at every
 --stride-th position from --positions-from on, one decode step runs with each layer reading only
