@@ -152,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--window", type=int, default=None, help="also the last W tokens")
     parser.add_argument(
+        "--missed-attention", type=Path, default=None,
+        help="also write, per method, passage, position and layer, the share of the step's full "
+        "attention (mean over query heads) that falls on tokens the method does not read (json)",
+    )  # fmt: skip
+    parser.add_argument(
         "--processes", type=int, default=1,
         help="worker processes the passages are spread over, --threads threads each",
     )  # fmt: skip
@@ -233,7 +238,8 @@ def measured_positions(args, length: int) -> list[int]:
 
 def measure(args, model_path, texts_by_length: dict[int, list[list[int]]]) -> dict:
     """(label, budget, length) -> (top-1 [passages, positions], KL [passages, positions], share
-    of KV kept per position or []). With --processes N > 1 each (passage, method) pair is a task
+    of KV kept per position or [], with --missed-attention each passage's missed attention
+    [positions, layers], else Nones). With --processes N > 1 each (passage, method) pair is a task
     for one of N worker processes of --threads threads each, every worker building the same model
     and reads (the measure of a method on a passage does not depend on what ran before it), and
     the values are gathered in passage order."""
@@ -253,12 +259,14 @@ def measure(args, model_path, texts_by_length: dict[int, list[list[int]]]) -> di
         _start_worker(args, model_path, passages, model)
         measured = [_measure_in_worker(task) for task in tasks]
     results: dict[tuple[str, str, int], list[list]] = {}
-    for (number, (label, budget)), (top1, kl, kept) in zip(tasks, measured, strict=True):
-        entry = results.setdefault((label, budget, passages[number][0]), [[], [], []])
+    for (number, (label, budget)), (top1, kl, kept, missed) in zip(tasks, measured, strict=True):
+        entry = results.setdefault((label, budget, passages[number][0]), [[], [], [], []])
         entry[0].append(top1)
         entry[1].append(kl)
         entry[2] += kept
-    return {key: (torch.stack(t), torch.stack(k), kept) for key, (t, k, kept) in results.items()}
+        entry[3].append(missed)
+    return {key: (torch.stack(t), torch.stack(k), kept, missed)
+            for key, (t, k, kept, missed) in results.items()}  # fmt: skip
 
 
 _worker: dict = {}  # this process's args, passages, model, reads and last prefilled passage
@@ -281,11 +289,44 @@ def _measure_in_worker(task: tuple[int, tuple[str, str]]) -> tuple:
         positions = measured_positions(args, length)
         passage = ag.Passage.prefill(model, ids, positions, hidden_states=bool(args.presses))
         _worker["prefilled"] = (number, passage)
-    top1, kl = _worker["prefilled"][1].measure(model, _worker["reads"][key])
-    kept = _worker["reads"][key].take_kept()
+    reads = _worker["reads"][key]
+    watched = MissedAttention(reads) if args.missed_attention else None
+    top1, kl = _worker["prefilled"][1].measure(model, watched or reads)
+    kept = reads.take_kept()
     elapsed = time.perf_counter() - began
     print(f"{BENCH}: passage {number}, {' '.join(key).strip()} in {elapsed:.0f} s", flush=True)
-    return top1, kl, kept
+    return top1, kl, kept, watched and watched.per_position()
+
+
+class MissedAttention:
+    """Reads as ``reads`` do, and records at each step and layer the share of full attention
+    (softmax over every token, mean over query heads) on the tokens those reads leave out: where
+    a method loses the model, which layers' choices cost it the attention the step pays."""
+
+    def __init__(self, reads):
+        self.reads = reads
+        self.steps: list[dict[int, float]] = []
+
+    def advance(self, passage, position: int) -> None:
+        self.reads.advance(passage, position)
+        self.steps.append({})
+
+    def tokens(self, layer: int, logits: torch.Tensor) -> torch.Tensor | None:
+        tokens = self.reads.tokens(layer, logits)
+        read = torch.ones_like(logits, dtype=torch.bool)
+        if tokens is not None and tokens.dtype == torch.bool:
+            read = tokens
+        elif tokens is not None:
+            read = torch.zeros_like(read)
+            read[:, tokens] = True
+        probs = torch.softmax(logits, dim=-1)
+        self.steps[-1][layer] = float(1 - (probs * read).sum(-1).mean())
+        return tokens
+
+    def per_position(self) -> torch.Tensor:
+        """[positions, layers]."""
+        return torch.tensor([[step[layer] for layer in sorted(step)] for step in self.steps])
+
 
 
 def means(results: dict, reference: str | None = None) -> dict[tuple[str, str, int], dict]:
@@ -293,10 +334,10 @@ def means(results: dict, reference: str | None = None) -> dict[tuple[str, str, i
     kv_kept_fraction for reads that evict nothing), and, where ``reference`` (a label) was
     measured at that length, the top-1 and KL differences against its run nearest in KV kept
     (``paired``)."""
-    kept_mean = {key: sum(kept) / len(kept) for key, (_, _, kept) in results.items() if kept}
+    kept_mean = {key: sum(kept) / len(kept) for key, (_, _, kept, _) in results.items() if kept}
     references = [key for key in kept_mean if key[0] == reference]
     out = {}
-    for key, (top1, kl, _) in results.items():
+    for key, (top1, kl, _, _) in results.items():
         out[key] = {"top1_agreement": float(top1.mean()), "kl_nats": float(kl.mean())}
         if key not in kept_mean:
             continue
@@ -317,12 +358,25 @@ def per_position(args, results: dict) -> dict:
     """Each method's top-1 and KL per passage and measured position, by length, to find where
     two methods differ (a mean over passages is carried by a few positions)."""
     out: dict = {}
-    for (label, budget, length), (top1, kl, _) in results.items():
+    for (label, budget, length), (top1, kl, _, _) in results.items():
         entry = out.setdefault(
             str(length), {"positions": measured_positions(args, length), "methods": {}}
         )
         name = f"{label} {budget}".strip()
         entry["methods"][name] = {"top1": top1.tolist(), "kl": kl.tolist()}
+    return out
+
+
+def missed_attention(args, results: dict) -> dict:
+    """Each method's missed attention (``MissedAttention``) per passage, position and layer,
+    by length, beside its KL there."""
+    out: dict = {}
+    for (label, budget, length), (_, kl, _, missed) in results.items():
+        entry = out.setdefault(
+            str(length), {"positions": measured_positions(args, length), "methods": {}}
+        )
+        name = f"{label} {budget}".strip()
+        entry["methods"][name] = {"missed": torch.stack(missed).tolist(), "kl": kl.tolist()}
     return out
 
 
@@ -414,6 +468,8 @@ def main(argv: list[str] | None = None) -> None:
     values = means(results, f"kvpress-{args.presses[0]}" if args.presses else None)
     if args.per_position is not None:
         args.per_position.write_text(json.dumps(per_position(args, results)))
+    if args.missed_attention is not None:
+        args.missed_attention.write_text(json.dumps(missed_attention(args, results)))
     shape = model_slug(model_path)
     harness.save_results(
         BENCH, shape, rows_of(info, shape, values), info, args.out_dir, args.results_md

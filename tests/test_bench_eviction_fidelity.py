@@ -43,6 +43,7 @@ def run_dir(model_path, tmp_path_factory):
         "--policies", f'lethe;lethe:{{"max_kv_ratio": 0.5}};{COMPOSED}', "--threads", "1",
         "--out-dir", str(out), "--results-md", str(out / "RESULTS.md"),
         "--per-position", str(out / "per-position.json"),
+        "--missed-attention", str(out / "missed.json"),
     ])  # fmt: skip
     assert "| context | kv ratio asked | method |" in (out / "RESULTS.md").read_text()
     return out
@@ -81,6 +82,20 @@ def test_per_position_values_are_what_the_rows_average(run_dir, rows):
         assert kl.shape == (1, len(positions)), label
         assert kl.mean().item() == pytest.approx(mean, rel=1e-5, abs=1e-9), label
     assert torch.tensor(methods["lethe 0.3"]["kl"]).max() > 0  # the values, not zeros
+
+
+def test_missed_attention_is_what_a_method_leaves_out(run_dir, model_path):
+    by_length = json.loads((run_dir / "missed.json").read_text())[str(LENGTH)]["methods"]
+    layers = ag.load_model(model_path).config.num_hidden_layers
+    positions = len(range(PROMPT, LENGTH, STRIDE))
+    missed = {name: torch.tensor(entry["missed"]) for name, entry in by_length.items()}
+    assert missed["full"].shape == (1, positions, layers)
+    for name in ["full", "lethe 1", "kvpress-snapkv 1"]:
+        assert missed[name].abs().max() < 1e-5, name  # reading everything misses nothing
+    for name in ["window-64 64 tokens", "lethe 0.3", "kvpress-snapkv 0.3", "kvpress-random 0.3"]:
+        assert 0 < missed[name].mean() < 1, name
+    # a random eviction misses more of the attention than SnapKV's choice does
+    assert missed["kvpress-random 0.3"].mean() > missed["kvpress-snapkv 0.3"].mean()
 
 
 def test_keeping_everything_reads_as_full_attention(values):
