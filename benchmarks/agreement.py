@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     from sglang_ext.model import default_model_path
 
     model_path = args.model_path or default_model_path()
-    info = RunInfo.detect()
+    info = RunInfo.detect(on_cpu=True)
     results, source = measure(args, model_path)
     shape = model_slug(model_path)
     harness.save_results(

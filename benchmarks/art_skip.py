@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         for tau in args.taus
         for patience in args.patience
     }
-    info, shape = RunInfo.detect(), model_path.name.lower()
+    info, shape = RunInfo.detect(on_cpu=True), model_path.name.lower()
     rows, prompt_source = [], ""
     for length in args.lengths:
         prompts, prompt_source = at.natural_text_prompts(

@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> None:
         texts_by_length, source = passages(args, model_path)
     except ValueError as error:
         parser.error(f"--prompts-per-length {args.prompts_per_length}: {error}")
-    info = RunInfo.detect()
+    info = RunInfo.detect(on_cpu=True)
     results = measure(args, model_path, texts_by_length)
     values = means(results, f"kvpress-{args.presses[0]}" if args.presses else None)
     if args.per_position is not None:

@@ -44,12 +44,14 @@ class RunInfo:
     command: str
 
     @classmethod
-    def detect(cls) -> RunInfo:
+    def detect(cls, on_cpu: bool = False) -> RunInfo:
+        """``on_cpu``: the run computes on the CPU even where a GPU is present (the trace
+        benchmarks), so its rows name the CPU."""
         import torch
 
         now = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
         return cls(
-            device=device_name(),
+            device=device_name(on_cpu),
             sglang_version=_version("sglang"),
             torch_version=torch.__version__,
             date=now.isoformat().replace("+00:00", "Z"),
@@ -78,8 +80,8 @@ def _version(dist: str) -> str:
         return "unknown"
 
 
-def device_name() -> str:
-    if cpu.is_cuda_host():
+def device_name(on_cpu: bool = False) -> str:
+    if cpu.is_cuda_host() and not on_cpu:
         import torch
 
         return torch.cuda.get_device_name(0)

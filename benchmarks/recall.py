@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         for budget in args.budgets
         for name, policy in policies_for(budget, ctx).items()
     }
-    info, shape = RunInfo.detect(), model_slug(model_path)
+    info, shape = RunInfo.detect(on_cpu=True), model_slug(model_path)
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     per_layer, prompt_source = measure(model, tokenizer, policies, args)
     rows = [

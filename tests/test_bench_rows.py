@@ -592,3 +592,11 @@ def test_the_ideal_step_is_each_run_on_the_fastest_vanillas_line_at_what_it_atte
     # a vanilla that did not decode the whole batch at once gives no line
     runs[0].samples = runs[1].samples = [e2e.KvSample(1.0, 0, 2, 1, 1)]
     assert e2e.ideal_step_rows(args, runs) == []
+
+
+def test_a_trace_benchmark_on_a_gpu_host_names_the_cpu_it_computed_on(monkeypatch):
+    # a GPU host cannot be had here: its two probes stand in for one
+    monkeypatch.setattr(harness.cpu, "is_cuda_host", lambda: True)
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda index: "NVIDIA H200")
+    assert harness.RunInfo.detect().device == "NVIDIA H200"
+    assert re.fullmatch(r"CPU .+ \(\d+ cores\)", harness.RunInfo.detect(on_cpu=True).device)
