@@ -44,6 +44,10 @@ context) on the same positions, and the 95 % half-width of that paired mean over
 are not independent samples). Passages: ``attention_trace.natural_text_prompts``, the seed texts'
 starts first, then whole windows further into them.
 
+``--missed-attention FILE``: per method, passage, position and layer, the share of the step's
+full attention (mean over query heads) on the tokens the method does not read (``MissedAttention``),
+beside its KL: which layers' choices cost a method the attention the next steps pay.
+
 ``kv_kept_fraction``: per measured position, the share of the positions so far whose KV the method
 held there (mean over layers and KV heads for kvpress), averaged over positions. Compare methods at
 equal kept fractions, not equal R: a kvpress press sits at R right after each compression and
@@ -60,16 +64,14 @@ import dataclasses
 import importlib.util
 import itertools
 import json
-import multiprocessing
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
 from scipy import stats
 from transformers import AutoTokenizer
 
-from benchmarks import harness
+from benchmarks import harness, worker_pool
 from benchmarks.harness import Row, RunInfo
 from sglang_ext.policies import PolicyConfigError, build_policy, policy_class
 from sglang_ext.tools import agreement as ag
@@ -236,37 +238,37 @@ def measured_positions(args, length: int) -> list[int]:
     return list(range(args.positions_from, length, args.stride))
 
 
-def measure(args, model_path, texts_by_length: dict[int, list[list[int]]]) -> dict:
+def measure(args, model_path, texts_by_length: dict[int, list[list[int]]]) -> tuple[dict, dict]:
     """(label, budget, length) -> (top-1 [passages, positions], KL [passages, positions], share
-    of KV kept per position or [], with --missed-attention each passage's missed attention
-    [positions, layers], else Nones). With --processes N > 1 each (passage, method) pair is a task
-    for one of N worker processes of --threads threads each, every worker building the same model
-    and reads (the measure of a method on a passage does not depend on what ran before it), and
-    the values are gathered in passage order."""
+    of KV kept per position or []), and with --missed-attention (label, budget, length) -> the
+    missed attention [passages, positions, layers] (``MissedAttention``). With --processes N > 1
+    each (passage, method) pair is a task for one of N worker processes of --threads threads
+    each, every worker building the same model and reads (the measure of a method on a passage
+    does not depend on what ran before it), and the values are gathered in passage order."""
     model = ag.load_model(model_path, torch.float32)
     keys = list(readers(args, model))
     passages = [(length, ids) for length, texts in texts_by_length.items() for ids in texts]
     tasks = [(number, key) for number in range(len(passages)) for key in keys]
     if args.processes > 1:
         del model
-        context = multiprocessing.get_context("spawn")  # torch's threads do not survive a fork
-        with ProcessPoolExecutor(
-            min(args.processes, len(tasks)), mp_context=context,
-            initializer=_start_worker, initargs=(args, model_path, passages),
-        ) as pool:  # fmt: skip
+        workers = min(args.processes, len(tasks))
+        with worker_pool.pool(workers, _start_worker, (args, model_path, passages)) as pool:
             measured = list(pool.map(_measure_in_worker, tasks))
     else:
         _start_worker(args, model_path, passages, model)
         measured = [_measure_in_worker(task) for task in tasks]
     results: dict[tuple[str, str, int], list[list]] = {}
-    for (number, (label, budget)), (top1, kl, kept, missed) in zip(tasks, measured, strict=True):
-        entry = results.setdefault((label, budget, passages[number][0]), [[], [], [], []])
+    missed: dict[tuple[str, str, int], list[torch.Tensor]] = {}
+    for (number, (label, budget)), (top1, kl, kept, attention) in zip(tasks, measured, strict=True):
+        key = (label, budget, passages[number][0])
+        entry = results.setdefault(key, [[], [], []])
         entry[0].append(top1)
         entry[1].append(kl)
         entry[2] += kept
-        entry[3].append(missed)
-    return {key: (torch.stack(t), torch.stack(k), kept, missed)
-            for key, (t, k, kept, missed) in results.items()}  # fmt: skip
+        if attention is not None:
+            missed.setdefault(key, []).append(attention)
+    stacked = {key: (torch.stack(t), torch.stack(k), kept) for key, (t, k, kept) in results.items()}
+    return stacked, {key: torch.stack(values) for key, values in missed.items()}
 
 
 _worker: dict = {}  # this process's args, passages, model, reads and last prefilled passage
@@ -280,7 +282,7 @@ def _start_worker(args, model_path, passages, model=None) -> None:
 
 
 def _measure_in_worker(task: tuple[int, tuple[str, str]]) -> tuple:
-    """One method on one passage: (top-1, KL, kept per position)."""
+    """One method on one passage: (top-1, KL, kept per position, missed attention or None)."""
     number, key = task
     args, model = _worker["args"], _worker["model"]
     length, ids = _worker["passages"][number]
@@ -328,16 +330,15 @@ class MissedAttention:
         return torch.tensor([[step[layer] for layer in sorted(step)] for step in self.steps])
 
 
-
 def means(results: dict, reference: str | None = None) -> dict[tuple[str, str, int], dict]:
     """Per (label, budget, length): each metric's mean over positions and passages (no
     kv_kept_fraction for reads that evict nothing), and, where ``reference`` (a label) was
     measured at that length, the top-1 and KL differences against its run nearest in KV kept
     (``paired``)."""
-    kept_mean = {key: sum(kept) / len(kept) for key, (_, _, kept, _) in results.items() if kept}
+    kept_mean = {key: sum(kept) / len(kept) for key, (_, _, kept) in results.items() if kept}
     references = [key for key in kept_mean if key[0] == reference]
     out = {}
-    for key, (top1, kl, _, _) in results.items():
+    for key, (top1, kl, _) in results.items():
         out[key] = {"top1_agreement": float(top1.mean()), "kl_nats": float(kl.mean())}
         if key not in kept_mean:
             continue
@@ -358,7 +359,7 @@ def per_position(args, results: dict) -> dict:
     """Each method's top-1 and KL per passage and measured position, by length, to find where
     two methods differ (a mean over passages is carried by a few positions)."""
     out: dict = {}
-    for (label, budget, length), (top1, kl, _, _) in results.items():
+    for (label, budget, length), (top1, kl, _) in results.items():
         entry = out.setdefault(
             str(length), {"positions": measured_positions(args, length), "methods": {}}
         )
@@ -367,16 +368,16 @@ def per_position(args, results: dict) -> dict:
     return out
 
 
-def missed_attention(args, results: dict) -> dict:
+def missed_attention(args, results: dict, missed: dict) -> dict:
     """Each method's missed attention (``MissedAttention``) per passage, position and layer,
     by length, beside its KL there."""
     out: dict = {}
-    for (label, budget, length), (_, kl, _, missed) in results.items():
+    for (label, budget, length), attention in missed.items():
         entry = out.setdefault(
             str(length), {"positions": measured_positions(args, length), "methods": {}}
         )
-        name = f"{label} {budget}".strip()
-        entry["methods"][name] = {"missed": torch.stack(missed).tolist(), "kl": kl.tolist()}
+        kl = results[label, budget, length][1].tolist()
+        entry["methods"][f"{label} {budget}".strip()] = {"missed": attention.tolist(), "kl": kl}
     return out
 
 
@@ -464,12 +465,12 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as error:
         parser.error(f"--prompts-per-length {args.prompts_per_length}: {error}")
     info = RunInfo.detect(on_cpu=True)
-    results = measure(args, model_path, texts_by_length)
+    results, missed = measure(args, model_path, texts_by_length)
     values = means(results, f"kvpress-{args.presses[0]}" if args.presses else None)
     if args.per_position is not None:
         args.per_position.write_text(json.dumps(per_position(args, results)))
     if args.missed_attention is not None:
-        args.missed_attention.write_text(json.dumps(missed_attention(args, results)))
+        args.missed_attention.write_text(json.dumps(missed_attention(args, results, missed)))
     shape = model_slug(model_path)
     harness.save_results(
         BENCH, shape, rows_of(info, shape, values), info, args.out_dir, args.results_md

@@ -4,6 +4,11 @@ definition, a press asked to keep everything reads as full attention does, the k
 the ratio asked right after a compression, and the rows have the schema."""
 
 import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,6 +143,40 @@ def test_passages_spread_over_processes_measure_as_one_process_does(run_dir, mod
         assert len(spread["lethe 0.3"][metric]) == 2
         assert spread["lethe 0.3"][metric][0] == alone["lethe 0.3"][metric][0], metric
     assert spread["lethe 0.3"]["kl"][1] != spread["lethe 0.3"]["kl"][0]
+
+
+WORKER_OF_A_KILLED_RUN = """
+import multiprocessing, os, time
+from benchmarks.worker_pool import stop_with_parent
+
+def worker(watching):
+    stop_with_parent(poll_s=0.1)
+    watching.set()
+    time.sleep(120)  # a task of minutes
+
+if __name__ == "__main__":
+    context = multiprocessing.get_context("spawn")
+    watching = context.Event()
+    child = context.Process(target=worker, args=(watching,))
+    child.start()
+    assert watching.wait(60), "the worker did not start"
+    print(child.pid, flush=True)
+    os._exit(0)  # the parent gone at once, as when killed
+"""
+
+
+def test_a_worker_stops_once_its_run_is_killed(tmp_path):
+    (tmp_path / "run.py").write_text(WORKER_OF_A_KILLED_RUN)  # spawn re-imports it in the worker
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(tmp_path / "run.py")], cwd=root, text=True,
+                         env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True,
+                         timeout=120, check=True)  # fmt: skip
+    status = Path(f"/proc/{int(out.stdout)}/status")
+    assert status.exists()  # the worker outlived its parent
+    deadline = time.monotonic() + 20
+    while status.exists() and "State:\tZ" not in status.read_text():
+        assert time.monotonic() < deadline, "the orphaned worker is still running"
+        time.sleep(0.2)
 
 
 @pytest.mark.parametrize(
