@@ -12,7 +12,8 @@ from sglang_ext.policies.lethe import Lethe
     "field,value",
     [("evict_threshold", 0), ("sparse_ratio", 1.0), ("sparse_ratio", float("inf")),
      ("recent_ratio", 1.0), ("recent_ratio", -0.1), ("sink_tokens", -1), ("segments", 1),
-     ("decay", 0.0), ("decay", 1.5), ("round_interval", -1), ("shared_ratio", 1.5)],
+     ("decay", 0.0), ("decay", 1.5), ("round_interval", -1), ("shared_ratio", 1.5),
+     ("window_size", 0), ("window_pool", 4)],
 )  # fmt: skip
 def test_out_of_range_parameters_name_the_field(field, value):
     with pytest.raises(PolicyConfigError) as error:

@@ -214,16 +214,23 @@ def test_tova_scores_the_last_query_only_and_h2o_accumulates(device):
     torch.testing.assert_close(h2o - tova, tova_first)  # h2o: both steps; tova: the last one
 
 
+INTERVAL, WINDOW, PROMPT = 8, 3, 40
+OBSERVING = {
+    "snapkv": {"compression_interval": INTERVAL, "window_size": WINDOW, "compression_ratio": 0.5},
+    # Lethe with a window: its first round at the first decode step, as a press's
+    "lethe": {"evict_threshold": PROMPT - 1, "round_interval": INTERVAL, "window_size": WINDOW,
+              "decay": 1.0, "max_kv_ratio": 0.5},
+}  # fmt: skip
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_rounds_come_at_the_first_decode_step_then_every_interval_and_snapkv_observes_its_window(
-    device,
+@pytest.mark.parametrize("name", OBSERVING)
+def test_rounds_come_at_the_first_decode_step_then_every_interval_and_observe_their_window(
+    device, name
 ):
     cache = Cache(num_layers=2, seq_lens=(120,), device=device)
-    interval, window, prompt = 8, 3, 40
-    runtime = scorer_runtime(
-        cache, "snapkv", torch.tensor([prompt]), compression_interval=interval,
-        window_size=window, compression_ratio=0.5,
-    )  # fmt: skip
+    interval, window, prompt = INTERVAL, WINDOW, PROMPT
+    runtime = scorer_runtime(cache, name, torch.tensor([prompt]), **OBSERVING[name])
     row, pool, state = 1, Pool(), None
     rounds_at, attention = [], []  # each step's change of the scores, since the last round
     for seq_len in range(prompt + 1, prompt + 1 + 4 * interval):
@@ -272,10 +279,11 @@ def test_the_recent_window_is_the_latest_positions_in_any_list_order(name, recen
     assert bool(stays[0, best[0]].all())
 
 
-def test_one_retained_set_keeps_its_lists_by_position():
-    """Every layer of one set reads the same list (one slot table): snapkv's rank order is for
+@pytest.mark.parametrize("name,params", [("snapkv", {}), ("lethe", {"window_size": 2})])
+def test_one_retained_set_keeps_its_lists_by_position(name, params):
+    """Every layer of one set reads the same list (one slot table): a window's rank order is for
     per-layer lists only."""
-    policy = build_policy("snapkv", {"per_layer": False})
+    policy = build_policy(name, {"per_layer": False, **params})
     stays = torch.tensor([[[True, False, True, True], [True, False, True, True]]])
     ranked = torch.tensor([[[0.1, 0.9, 0.5, 0.3], [0.7, 0.2, 0.1, 0.4]]])
     order = policy.list_order(stays, ranked, [[4, 4]])

@@ -313,6 +313,14 @@ class Lethe(EvictionPolicy):
     # retained set would rank first, by the best share any layer gives them) ahead of the layer's
     # own choice; 0: none; None: the layout's
     shared_ratio: float | None = None
+    # None: a round ranks by the scores decayed over the request's life (RASR). N: a round ranks
+    # by the attention of the last N decode queries before it, average-pooled over
+    # ``window_pool`` neighbouring entries of a layer's list, which a round leaves in rank order
+    # (SnapKV's rule in kvpress's cache order); set ``decay`` 1 to weigh the N alike. Closer to
+    # full attention on SmolLM2's text, though by as much as the pool width moves it
+    # (RESULTS.md#eviction-fidelity)
+    window_size: int | None = None
+    window_pool: int = 5  # odd
     observation_window: int = 32  # the last prompt tokens whose attention seeds the scores
     # odd: a seeded score is the best of the token and its neighbours; 13 keeps a six-digit value
     # beside the key a question attends, where 9 lost its last digits (RESULTS.md#eviction-fidelity)
@@ -342,6 +350,10 @@ class Lethe(EvictionPolicy):
             self._error(
                 "observation_pool", f"must be an odd number >= 1, got {self.observation_pool}"
             )
+        if self.window_size is not None and self.window_size < 1:
+            self._error("window_size", f"must be >= 1 or null, got {self.window_size}")
+        if self.window_pool < 1 or self.window_pool % 2 == 0:
+            self._error("window_pool", f"must be an odd number >= 1, got {self.window_pool}")
         if not 0 < self.max_kv_ratio <= 1:
             self._error("max_kv_ratio", f"must be in (0, 1], got {self.max_kv_ratio}")
         if self.round_interval is not None and self.round_interval < 0:
@@ -389,6 +401,19 @@ class Lethe(EvictionPolicy):
     def first_threshold(self) -> int:
         return self.evict_threshold
 
+    def observed_steps(self) -> int | None:
+        return self.window_size
+
+    def round_scores(self, scores: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
+        if self.window_size is None:
+            return scores
+        return pooled_before_window(scores, counts, self.window_size, self.window_pool)
+
+    def list_order(self, stays, ranked, counts) -> torch.Tensor:
+        if self.window_size is None or not self.per_layer_lists():
+            return super().list_order(stays, ranked, counts)
+        return rank_order(stays, ranked, counts, self.window_size)
+
     def shared_entries(self, positions, scores, keep, lengths, first, across=None):
         # At a request's first round only (its prompt compressed, ranked by seeds from the
         # prompt's last queries): a later round that forced the core cut what each layer had
@@ -418,13 +443,18 @@ class Lethe(EvictionPolicy):
         if self.interval() is not None:
             caps += f", round_interval {self.interval()}"
         if not self.per_layer_lists():
-            return f"{caps}, one set"
+            return f"{caps}{self._window()}, one set"
         memory = "per-layer memory" if self.pack_layers else "freed by the union"
         if self.per_kv_head:
             memory += ", lists per KV head"
         breakpoints = "" if self.sparse_ratio is None else f", sparse_ratio {self.sparse_ratio}"
         core = f", shared_ratio {self.core()}" if self.core() else ""
-        return f"{caps}{breakpoints}{core} ({memory})"
+        return f"{caps}{breakpoints}{core}{self._window()} ({memory})"
+
+    def _window(self) -> str:
+        if self.window_size is None:
+            return ""
+        return f", window_size {self.window_size} (pooled over {self.window_pool})"
 
     def recent_window(self, retained: int) -> int:
         return math.ceil(self.recent() * retained)
@@ -542,6 +572,39 @@ class Lethe(EvictionPolicy):
         cap = self.round_cap(length)
         growth = self.recent_window(cap) if self.interval() is None else self.interval()
         return max(self.evict_threshold, cap + growth)
+
+
+def _split_at_window(like: torch.Tensor, counts: list[list[int]], window: int):
+    """Which entries of each layer's list ([requests, layers, n], as ``like``; its first
+    ``counts[i][l]`` held) come before its last ``window``, and which are those last."""
+    count = torch.tensor(counts, device=like.device)[..., None]
+    column = torch.arange(like.shape[-1], device=like.device)
+    start = count - window
+    return column < start, (column >= start) & (column < count)
+
+
+def pooled_before_window(
+    scores: torch.Tensor, counts: list[list[int]], window: int, kernel: int
+) -> torch.Tensor:
+    """SnapKV's round scores: ``scores`` [requests, layers, n] (the last ``window`` queries'
+    attention) average-pooled over ``kernel`` neighbouring entries of a layer's list, its own
+    last ``window`` entries (kept anyway) left out: zeros past either end, as kvpress pools the
+    keys before its window."""
+    before_window, _ = _split_at_window(scores, counts, window)
+    flat = torch.where(before_window, scores, 0.0).flatten(0, 1)[:, None]
+    pooled = torch.nn.functional.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+    return pooled.view_as(scores)
+
+
+def rank_order(
+    stays: torch.Tensor, ranked: torch.Tensor, counts: list[list[int]], window: int
+) -> torch.Tensor:
+    """kvpress's cache order after a compression (``EvictionPolicy.list_order``'s contract): the
+    last ``window`` entries first, then the kept ones by descending ``ranked`` score, so that
+    the next round's pooling smooths an entry's score with those it ranked beside."""
+    _, last = _split_at_window(ranked, counts, window)
+    key = torch.where(last, float("-inf"), -ranked)
+    return torch.sort(torch.where(stays, key, float("inf")), dim=2, stable=True).indices
 
 
 def _best_share(positions, scores, keep, width: int) -> torch.Tensor:

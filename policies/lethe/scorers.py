@@ -32,7 +32,7 @@ from typing import ClassVar
 
 import torch
 
-from sglang_ext.policies.lethe.policy import EvictionPolicy
+from sglang_ext.policies.lethe.policy import EvictionPolicy, pooled_before_window, rank_order
 from sglang_ext.policies.registry import register_policy
 
 
@@ -111,11 +111,7 @@ class SnapKV(DecodeScorer):
         """The window's attention, average-pooled over ``kernel_size`` neighbouring entries of a
         layer's list, its own last ``window_size`` entries (kept anyway) left out, as kvpress pools
         the keys before its window: zeros past either end."""
-        before_window, _ = self._split_at_window(scores, counts)
-        flat = torch.where(before_window, scores, 0.0).flatten(0, 1)[:, None]
-        k = self.kernel_size
-        pooled = torch.nn.functional.avg_pool1d(flat, k, stride=1, padding=k // 2)
-        return pooled.view_as(scores)
+        return pooled_before_window(scores, counts, self.window_size, self.kernel_size)
 
     def list_order(self, stays, ranked, counts) -> torch.Tensor:
         """kvpress's order of the cache after a compression, its top-k's: the window first
@@ -127,17 +123,7 @@ class SnapKV(DecodeScorer):
         order."""
         if not self.per_layer_lists():
             return super().list_order(stays, ranked, counts)
-        _, window = self._split_at_window(ranked, counts)
-        key = torch.where(window, float("-inf"), -ranked)
-        return torch.sort(torch.where(stays, key, float("inf")), dim=2, stable=True).indices
-
-    def _split_at_window(self, like: torch.Tensor, counts: list[list[int]]):
-        """Which entries of each layer's list ([requests, layers, n], as ``like``; its first
-        ``counts[i][l]`` held) come before its last ``window_size``, and which are those last."""
-        count = torch.tensor(counts, device=like.device)[..., None]
-        column = torch.arange(like.shape[-1], device=like.device)
-        start = count - self.window_size
-        return column < start, (column >= start) & (column < count)
+        return rank_order(stays, ranked, counts, self.window_size)
 
 
 @register_policy
