@@ -19,7 +19,8 @@ Defaults (RESULTS.md#eviction-fidelity), scores decayed by 0.99 a step in both l
   0.3 of it recent, on Algorithm 1's threshold cadence;
 - ``per_kv_head`` set (a list per KV head): as served alone, but 0.1 of a list recent.
 ``recent_ratio``, ``round_interval`` and ``shared_ratio`` left unset take their layout's value.
-``sparse_ratio`` set adds the paper's breakpoints, per layer.
+``sparse_ratio`` set adds the paper's breakpoints, per layer; ``window_size`` set ranks a round by
+the last decode queries' attention, pooled as SnapKV's, instead of the decayed scores.
 
 Memory: a round caps the request's KV at ``max_kv_ratio`` of its tokens; 1.0 turns the cap off
 and leaves the paper's rule alone. Without per-layer lists the cap cuts the one retained set
@@ -316,9 +317,10 @@ class Lethe(EvictionPolicy):
     # None: a round ranks by the scores decayed over the request's life (RASR). N: a round ranks
     # by the attention of the last N decode queries before it, average-pooled over
     # ``window_pool`` neighbouring entries of a layer's list, which a round leaves in rank order
-    # (SnapKV's rule in kvpress's cache order); set ``decay`` 1 to weigh the N alike. Closer to
-    # full attention on SmolLM2's text, though by as much as the pool width moves it
-    # (RESULTS.md#eviction-fidelity)
+    # (SnapKV's rule in kvpress's cache order); set ``decay`` 1 to weigh the N alike. Not the
+    # default: on SmolLM2 no closer to full attention than the decayed scores beyond what the
+    # pool width alone moves, and its choices, like SnapKV's, move with float rounding
+    # (RESULTS.md#lethe-window)
     window_size: int | None = None
     window_pool: int = 5  # odd
     observation_window: int = 32  # the last prompt tokens whose attention seeds the scores
