@@ -283,7 +283,7 @@ def _rank(values: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass(frozen=True)
 class Lethe(EvictionPolicy):
     name = "lethe"
-    # Host-side rules of a round. Server-wide: decay and the observation window (they shape
+    # Host-side rules of a round. Server-wide: decay and the observation windows (they shape
     # every request's device-side scores), per_layer and sparse_ratio (without per-layer lists
     # the decode reads one list for all layers, gathered once per step).
     request_params = (
