@@ -55,6 +55,11 @@ CONFIGS = {
     "lethe_heads": ("lethe", {
         "evict_threshold": THRESHOLD, "max_kv_ratio": MAX_KV_RATIO, "per_kv_head": True,
     }, []),
+    # rounds ranked by the last queries' attention (SnapKV's rule) instead of decayed scores
+    "lethe_window": ("lethe", {
+        "evict_threshold": THRESHOLD, "max_kv_ratio": MAX_KV_RATIO, "decay": 1.0,
+        "window_size": 64,
+    }, []),
     # the public decode-time scorers on Lethe's runtime, each request naming its own
     "scorers": ("snapkv,tova,h2o", {
         name: {"compression_ratio": 0.7, "compression_interval": 64}
@@ -205,7 +210,8 @@ def test_small_budgets_attend_to_their_selection_and_answer(servers, name):
 
 @pytest.mark.parametrize(
     "name, spec",
-    [("lethe", None), ("lethe_layers", None), ("lethe_heads", None), ("scorers", "snapkv"),
+    [("lethe", None), ("lethe_layers", None), ("lethe_heads", None), ("lethe_window", None),
+     ("scorers", "snapkv"),
      ("scorers", "tova"), ("scorers", "h2o"), ("composed", "lethe+tidal"),
      ("composed", "lethe+delta")],
 )  # fmt: skip
