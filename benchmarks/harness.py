@@ -80,6 +80,10 @@ def _version(dist: str) -> str:
         return "unknown"
 
 
+# torch's vectorised kernels and MKL's BLAS: the instruction set each computes with
+CPU_NUMERICS_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR")
+
+
 def device_name(on_cpu: bool = False) -> str:
     if cpu.is_cuda_host() and not on_cpu:
         import torch
@@ -87,7 +91,11 @@ def device_name(on_cpu: bool = False) -> str:
         return torch.cuda.get_device_name(0)
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
-    return f"CPU {model.group(1).strip() if model else 'unknown'} ({os.cpu_count()} cores)"
+    name = f"CPU {model.group(1).strip() if model else 'unknown'} ({os.cpu_count()} cores)"
+    # A CPU's float rounding follows the instruction set its kernels run; a run that forces one
+    # rounds otherwise than the same CPU left alone, so its rows say which.
+    forced = [f"{var}={os.environ[var]}" for var in CPU_NUMERICS_ENV if os.environ.get(var)]
+    return f"{name} {' '.join(forced)}" if forced else name
 
 
 def shape_path(shape: str) -> Path:

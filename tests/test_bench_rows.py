@@ -1,5 +1,6 @@
 """What benchmark rows say about a run: each policy's budget, which server a NAME@BACKEND starts,
-which vanilla run a policy's greedy tokens are compared with, and a decode step's bandwidth floor."""
+which vanilla run a policy's greedy tokens are compared with, a decode step's bandwidth floor, and
+the instruction set a CPU run forced."""
 
 import re
 import threading
@@ -600,3 +601,13 @@ def test_a_trace_benchmark_on_a_gpu_host_names_the_cpu_it_computed_on(monkeypatc
     monkeypatch.setattr("torch.cuda.get_device_name", lambda index: "NVIDIA H200")
     assert harness.RunInfo.detect().device == "NVIDIA H200"
     assert re.fullmatch(r"CPU .+ \(\d+ cores\)", harness.RunInfo.detect(on_cpu=True).device)
+
+
+def test_a_cpu_run_that_forces_an_instruction_set_says_so_in_its_device(monkeypatch):
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.delenv("MKL_CBWR", raising=False)
+    left_alone = harness.device_name(on_cpu=True)
+    assert "MKL_CBWR" not in left_alone
+    monkeypatch.setenv("MKL_CBWR", "AVX2")
+    forced = harness.device_name(on_cpu=True)
+    assert forced == f"{left_alone} MKL_CBWR=AVX2"
