@@ -28,11 +28,11 @@ def load(source: str, length: int) -> tuple[str, torch.Tensor, torch.Tensor]:
     path, _, label = source.partition("::")
     runs = json.loads(Path(path).read_text())
     if str(length) not in runs:
-        raise ValueError(f"no length {length} in it (it has {', '.join(runs)})")
+        raise ValueError(f"{path}: no length {length} (it has {', '.join(runs)})")
     methods = runs[str(length)]["methods"]
     names = [label] if label else [name for name in methods if name != "full"]
     if len(names) != 1 or names[0] not in methods:
-        raise ValueError(f"name one of {', '.join(methods)} after '::'")
+        raise ValueError(f"{source}: name one of {', '.join(methods)} after '::'")
     values = methods[names[0]]
     return names[0], torch.tensor(values["top1"]), torch.tensor(values["kl"])
 
@@ -49,20 +49,22 @@ def table(references: list[tuple], methods: list[tuple]) -> str:
     ]
     rows = [(f"reference {i + 1}", *r) for i, r in enumerate(references)]
     rows += [(f"method {i + 1}", *m) for i, m in enumerate(methods)]
-    for source, name, method_top1, method_kl in rows:
-        cells = [f"{source}: {name}", f"{float(method_top1.mean()):.4f}"]
-        for ours, theirs in ((method_top1, top1), (method_kl, kl)):
-            mean, half_width = paired(ours, theirs)
-            spread = "" if half_width is None else f" ± {half_width:.3f}"
-            cells.append(f"{mean:+.4f}{spread}")
-        cells.insert(3, f"{float(method_kl.mean()):.4f}")
-        cells.append(f"{float(method_kl.mean()) / float(kl.mean()):.3f}×")
-        lines.append("| " + " | ".join(cells) + " |")
+    for source, name, row_top1, row_kl in rows:
+        lines.append(
+            f"| {source}: {name} | {float(row_top1.mean()):.4f} | {_paired(row_top1, top1)} "
+            f"| {float(row_kl.mean()):.4f} | {_paired(row_kl, kl)} "
+            f"| {float(row_kl.mean()) / float(kl.mean()):.3f}× |"
+        )
     lines.append(
         f"| reference: mean of {len(references)} | {float(top1.mean()):.4f} | | "
         f"{float(kl.mean()):.4f} | | 1.000× |"
     )
     return "\n".join(lines)
+
+
+def _paired(values: torch.Tensor, reference: torch.Tensor) -> str:
+    mean, half_width = paired(values, reference)
+    return f"{mean:+.4f}" + ("" if half_width is None else f" ± {half_width:.3f}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,14 +73,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reference", action="append", required=True, help="FILE[::LABEL]")
     parser.add_argument("--method", action="append", default=[], help="FILE[::LABEL]")
     args = parser.parse_args(argv)
-    loaded = {}
-    for flag, sources in (("--reference", args.reference), ("--method", args.method)):
-        for source in sources:
-            try:
-                loaded.setdefault(flag, []).append(load(source, args.length))
-            except (OSError, ValueError) as error:
-                parser.error(f"{flag} {source}: {error}")
-    references, methods = loaded["--reference"], loaded.get("--method", [])
+
+    def load_each(flag: str, sources: list[str]) -> list[tuple]:
+        try:
+            return [load(source, args.length) for source in sources]
+        except (OSError, ValueError) as error:
+            parser.error(f"{flag}: {error}")
+
+    references = load_each("--reference", args.reference)
+    methods = load_each("--method", args.method)
     shapes = {tuple(values[2].shape) for values in [*references, *methods]}
     if len(shapes) != 1:
         parser.error(f"the files' passages and positions differ: {sorted(shapes)}")
